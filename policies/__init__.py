@@ -1,0 +1,19 @@
+"""Decode-time KV eviction policies (torch only; no vLLM import).
+
+    from kvtier.policies import make_policy, EvictionContext
+    keep = make_policy("random").keep(ctx)   # [H_kv, K] per-head keep-set, chronological
+"""
+
+from .base import EvictionContext, EvictionPolicy, PolicyError, complement
+from .compaction import CompactionPlan, DenseHeadCache, apply_plan_dense, full_gather_plan, hole_fill_plan
+from .registry import available, make_policy, policy_class, register
+from .schedule import EvictionSchedule
+
+# Importing the modules registers their policies.
+from . import random as _random, snapkv as _snapkv, window as _window  # noqa: E402,F401
+
+__all__ = [
+    "EvictionContext", "EvictionPolicy", "PolicyError", "complement", "CompactionPlan", "DenseHeadCache",
+    "apply_plan_dense", "full_gather_plan", "hole_fill_plan", "available", "make_policy", "policy_class",
+    "register", "EvictionSchedule",
+]

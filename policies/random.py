@@ -1,0 +1,81 @@
+"""Random Attention (paper Algorithm 1) and its two controls."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import EvictionContext, EvictionPolicy, PolicyError
+from .registry import register
+
+
+@register
+class RandomPolicy(EvictionPolicy):
+    """Keep the prompt; every other candidate gets an i.i.d. uniform score, independently per KV head.
+
+    Equivalent to Algorithm 1's top-K of uniform scores, but it draws the S-K victims directly
+    (a small top-k of the smallest scores), which is what hole-filling compaction consumes.
+    Order-free: it never looks at neighbours, so candidates may come in slot order.
+    """
+
+    name = "random"
+    order_free = True
+    default_protect_prompt = True
+
+    def score(self, ctx: EvictionContext) -> Tensor:
+        return torch.rand(ctx.positions.shape, generator=ctx.generator, device=ctx.positions.device)
+
+    def evict(self, ctx: EvictionContext) -> Tensor:
+        self._validate(ctx)
+        H, S = ctx.positions.shape
+        n_evict = max(S - ctx.budget, 0)
+        scores = self.score(ctx)
+        scores = scores.float() if scores.dtype != torch.float64 else scores
+        scores = scores.masked_fill(self.protected_mask(ctx), float("inf"))  # protected never among the smallest
+        return scores.topk(n_evict, dim=1, largest=False).indices.sort(dim=1).values
+
+
+@register
+class RandomSharedPolicy(RandomPolicy):
+    """Control without cross-head diversity: one draw per logical position, shared by every head.
+
+    Scores are keyed by position (not by row index), so heads holding the same positions evict the same
+    ones even when their slot orders differ.
+    """
+
+    name = "random_shared"
+
+    def score(self, ctx: EvictionContext) -> Tensor:
+        pos = ctx.positions
+        lo, hi = int(pos.min()), int(pos.max())
+        table = torch.rand(hi - lo + 1, generator=ctx.generator, device=pos.device)
+        return table[pos - lo]
+
+
+@register
+class RandomBlockPolicy(RandomPolicy):
+    """Random Attention over contiguous blocks of `block` positions (paper Figure 3c).
+
+    Every block (position // block) gets one uniform score per head; a block straddling the budget
+    boundary is cut, its earliest positions kept first.
+    """
+
+    name = "random_block"
+
+    def __init__(self, *, block: int = 16, **kw) -> None:
+        super().__init__(**kw)
+        if block <= 0:
+            raise PolicyError(f"block must be > 0, got {block}")
+        self.block = int(block)
+
+    def params(self) -> dict:
+        return {**super().params(), "block": self.block}
+
+    def score(self, ctx: EvictionContext) -> Tensor:
+        pos = ctx.positions
+        blocks = pos // self.block
+        lo = int(blocks.min())
+        u = torch.rand(pos.shape[0], int(blocks.max()) - lo + 1, generator=ctx.generator, device=pos.device)
+        rank = u.argsort(dim=1).argsort(dim=1)  # per head, the random rank of each block
+        # Integer scores: block rank first, then earlier positions inside a block rank higher.
+        return rank.gather(1, blocks - lo) * self.block + (self.block - 1 - pos % self.block)

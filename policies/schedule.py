@@ -1,0 +1,49 @@
+"""When an eviction round runs and how much it removes (paper §2 and Appendix F).
+
+The r most recent positions (the buffer) are never candidates. Every r decode steps, once the cached
+length exceeds K + r, every position outside the buffer is a candidate, the policy keeps K per KV head
+and the cache returns to K + r entries, so it never holds more than K + 2r.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import PolicyError
+
+
+@dataclass(frozen=True)
+class EvictionSchedule:
+    budget: int
+    buffer: int = 64
+
+    def __post_init__(self) -> None:
+        if self.budget <= 0:
+            raise PolicyError(f"budget must be > 0, got {self.budget}")
+        if self.buffer <= 0:
+            raise PolicyError(f"buffer must be > 0, got {self.buffer}")
+
+    @property
+    def max_cached(self) -> int:
+        """The most entries a head ever holds."""
+        return self.budget + 2 * self.buffer
+
+    @property
+    def settled_len(self) -> int:
+        """Entries per head right after a round."""
+        return self.budget + self.buffer
+
+    def due(self, cached_len: int, decode_steps: int) -> bool:
+        """True when a round runs now: `decode_steps` tokens generated (their KV cached) and
+        `cached_len` entries per head."""
+        return decode_steps > 0 and decode_steps % self.buffer == 0 and cached_len > self.settled_len
+
+    def num_candidates(self, cached_len: int) -> int:
+        return cached_len - self.buffer
+
+    def num_evicted(self, cached_len: int) -> int:
+        return max(cached_len - self.settled_len, 0)
+
+    def survival(self, protected: int) -> float:
+        """Per-round survival of an unprotected candidate under `random`: (K-ℓp)/(K+r-ℓp)."""
+        return (self.budget - protected) / (self.budget + self.buffer - protected)
