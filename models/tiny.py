@@ -391,12 +391,14 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
 
 
 def default_tiny_model_dir(seed: int = 0) -> Path:
-    """``$KVTIER_TINY_MODEL`` if set, else ``<repo>/artifacts/tiny-qwen3`` (``-seedN`` for N != 0)."""
+    """``$KVTIER_TINY_MODEL`` if set, else ``<repo>/artifacts/tiny-qwen3``.
+
+    For a non-zero seed the directory name gets a ``-seed<N>`` suffix, so models of
+    different seeds never overwrite each other.
+    """
     env = os.environ.get("KVTIER_TINY_MODEL")
-    if env:
-        return Path(env)
-    name = "tiny-qwen3" if seed == 0 else f"tiny-qwen3-seed{seed}"
-    return Path(__file__).resolve().parents[1] / "artifacts" / name
+    base = Path(env) if env else Path(__file__).resolve().parents[1] / "artifacts" / "tiny-qwen3"
+    return base if seed == 0 else base.with_name(f"{base.name}-seed{seed}")
 
 
 def _is_complete(path: Path, seed: int) -> bool:

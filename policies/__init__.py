@@ -10,7 +10,7 @@ from .registry import available, make_policy, policy_class, register
 from .schedule import EvictionSchedule
 
 # Importing the modules registers their policies.
-from . import random as _random, snapkv as _snapkv, window as _window  # noqa: E402,F401
+from . import diverse as _diverse, h2o as _h2o, random as _random, rkv as _rkv, snapkv as _snapkv, triattention as _triattention, vase as _vase, window as _window  # noqa: E402,F401,E501
 
 __all__ = [
     "EvictionContext", "EvictionPolicy", "PolicyError", "complement", "CompactionPlan", "DenseHeadCache",

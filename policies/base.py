@@ -170,6 +170,12 @@ def complement(index: Tensor, size: int) -> Tensor:
 def grouped_window_attention(keys: Tensor, queries: Tensor, buffer_keys: Tensor | None = None) -> Tensor:
     """[H, S]: attention the window queries put on each candidate, summed over the window and averaged
     over each KV head's query group. Softmax runs over candidates plus the buffer keys when given."""
+    return window_attention(keys, queries, buffer_keys).sum(dim=2).mean(dim=1)
+
+
+def window_attention(keys: Tensor, queries: Tensor, buffer_keys: Tensor | None = None) -> Tensor:
+    """[H, G, w, S]: softmax attention of every window query (G = query heads per KV head) on each
+    candidate. Softmax runs over candidates plus the buffer keys when given."""
     H, S, d = keys.shape
     group = queries.shape[0] // H
     q = queries.float().view(H, group * queries.shape[1], d)
@@ -177,4 +183,37 @@ def grouped_window_attention(keys: Tensor, queries: Tensor, buffer_keys: Tensor 
     if buffer_keys is not None:
         k = torch.cat([k, buffer_keys.float()], dim=1)
     attn = torch.softmax(q @ k.transpose(1, 2) / d**0.5, dim=-1)[:, :, :S]  # [H, G*w, S]
-    return attn.view(H, group, -1, S).sum(dim=2).mean(dim=1)
+    return attn.view(H, group, -1, S)
+
+
+def unit_rows(x: Tensor, eps: float = 1e-8) -> Tensor:
+    """x / ||x|| along the last dim (float32 or wider); all-zero rows stay zero."""
+    x = x.double() if x.dtype == torch.float64 else x.float()
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
+
+
+def top_per_row(scores: Tensor, counts: Tensor, eligible: Tensor) -> Tensor:
+    """[H, S] bool: per row h, the counts[h] eligible entries with the largest scores (ties: lower index).
+    Rows with fewer than counts[h] eligible entries get all of them."""
+    ranked = scores.masked_fill(~eligible, float("-inf")).argsort(dim=1, descending=True, stable=True)
+    rank = ranked.argsort(dim=1)
+    return (rank < counts.view(-1, 1)) & eligible
+
+
+class SelectionPolicy(EvictionPolicy):
+    """For policies that build their keep-set directly (samplers, greedy selectors) instead of ranking
+    one score: implement `keep_mask(ctx)` -> [H, S] bool with exactly K true per head, every protected
+    candidate among them. Validation and the S <= K case are handled here."""
+
+    def keep_mask(self, ctx: EvictionContext) -> Tensor:
+        raise NotImplementedError
+
+    def keep(self, ctx: EvictionContext) -> Tensor:
+        self._validate(ctx)
+        H, S = ctx.positions.shape
+        if S <= ctx.budget:
+            return torch.arange(S, device=ctx.positions.device).expand(H, S).clone()
+        mask = self.keep_mask(ctx)
+        if not (mask.sum(dim=1) == ctx.budget).all() or (self.protected_mask(ctx) & ~mask).any():
+            raise PolicyError(f"policy {self.name!r} built a keep-set that is not K={ctx.budget} per head with the protected ones")
+        return mask.nonzero()[:, 1].view(H, ctx.budget)

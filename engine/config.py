@@ -1,0 +1,142 @@
+"""Eviction configuration: engine defaults (vLLM `additional_config["kvtier"]`) and per-request overrides
+(`SamplingParams.extra_args`, flat `kvtier_*` keys so OpenAI `vllm_xargs` can carry them)."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvtier.policies import EvictionPolicy, EvictionSchedule, PolicyError, make_policy
+
+# Request keys accepted in SamplingParams.extra_args (and OpenAI `vllm_xargs`).
+REQUEST_KEYS = {
+    "kvtier_budget": "budget",
+    "kvtier_policy": "policy",
+    "kvtier_buffer": "buffer",
+    "kvtier_protect_prompt": "protect_prompt",
+    "kvtier_sinks": "sinks",
+    "kvtier_seed": "seed",
+    "kvtier_params": "params",
+}
+
+
+class EvictionConfigError(ValueError):
+    """Bad eviction configuration; the message names the field."""
+
+
+class EvictionSpec(BaseModel):
+    """What one request is served with. budget=None means full attention (no eviction)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: str = "random"
+    budget: int | None = Field(default=None, gt=0)
+    buffer: int = Field(default=64, gt=0)
+    protect_prompt: bool | None = None
+    sinks: int | None = Field(default=None, ge=0)
+    seed: int | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _params_from_json(cls, v):
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kvtier_params must be a JSON object: {exc}") from None
+        return v
+
+    @property
+    def compressed(self) -> bool:
+        return self.budget is not None
+
+    def schedule(self) -> EvictionSchedule:
+        return EvictionSchedule(budget=self.budget, buffer=self.buffer)
+
+    def make_policy(self) -> EvictionPolicy:
+        return _policy(self.policy, json.dumps(self.policy_kwargs(), sort_keys=True))
+
+    def policy_kwargs(self) -> dict[str, Any]:
+        kw = dict(self.params)
+        if self.protect_prompt is not None:
+            kw["protect_prompt"] = self.protect_prompt
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks
+        return kw
+
+    def max_blocks(self, prompt_len: int, max_tokens: int, block_size: int) -> int:
+        """Blocks this request can ever hold: the cache never exceeds max(prompt, K + 2r) entries."""
+        total = prompt_len + max_tokens
+        if self.compressed:
+            total = min(total, max(prompt_len, self.budget + 2 * self.buffer))
+        return -(-total // block_size)
+
+
+@lru_cache(maxsize=256)
+def _policy(name: str, kwargs_json: str) -> EvictionPolicy:
+    return make_policy(name, **json.loads(kwargs_json))
+
+
+class EngineEvictionConfig(BaseModel):
+    """`additional_config={"kvtier": {...}}` on the vLLM engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    default: EvictionSpec = Field(default_factory=EvictionSpec)
+    # reserve: admit a compressed request only while every running request's bound fits the pool, so
+    # compressed requests never cause a preemption. vllm: stock admission.
+    admission: Literal["reserve", "vllm"] = "reserve"
+    audit_log: str | None = None        # JSONL of keep-sets per round (off by default)
+    query_window: int = Field(default=8, gt=0)  # recent queries kept per request/layer for query-reading policies
+
+    @classmethod
+    def from_vllm(cls, vllm_config) -> "EngineEvictionConfig | None":
+        raw = (getattr(vllm_config, "additional_config", None) or {}).get("kvtier")
+        if raw is None:
+            return None
+        try:
+            cfg = cls.model_validate(raw)
+        except ValidationError as exc:
+            raise EvictionConfigError(f"additional_config.kvtier: {_fmt(exc)}") from None
+        return cfg if cfg.enabled else None
+
+
+def _fmt(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
+
+
+def resolve_request_spec(default: EvictionSpec, extra_args: dict[str, Any] | None) -> EvictionSpec:
+    """Merge a request's `kvtier_*` extra_args over the engine default; unknown kvtier keys are errors."""
+    extra_args = extra_args or {}
+    unknown = [k for k in extra_args if k.startswith("kvtier_") and k not in REQUEST_KEYS]
+    if unknown:
+        raise EvictionConfigError(f"unknown request parameter(s) {unknown}; accepted: {sorted(REQUEST_KEYS)}")
+    overrides = {REQUEST_KEYS[k]: v for k, v in extra_args.items() if k in REQUEST_KEYS}
+    if not overrides:
+        return default
+    if overrides.get("budget") in ("full", "none", 0) or ("budget" in overrides and overrides["budget"] is None):
+        overrides["budget"] = None
+    merged = {**default.model_dump(), **overrides}
+    if "policy" in overrides and "params" not in overrides:
+        merged["params"] = {}  # the default's params belong to the default's policy
+    try:
+        return EvictionSpec.model_validate(merged)
+    except ValidationError as exc:
+        raise EvictionConfigError("; ".join(
+            f"kvtier_{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+
+
+def validate_request(spec: EvictionSpec, prompt_len: int) -> None:
+    """Reject what cannot be served: unknown policy or parameters, a prompt the budget cannot protect."""
+    if not spec.compressed:
+        return
+    try:
+        policy = spec.make_policy()
+        policy.check_budget(spec.budget, prompt_len)
+    except PolicyError as exc:
+        raise EvictionConfigError(f"kvtier: {exc}") from None

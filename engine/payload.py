@@ -1,0 +1,34 @@
+"""What the scheduler sends the worker each step (one attribute on vLLM's SchedulerOutput).
+
+Plain dataclasses: they cross the process boundary with the SchedulerOutput (pickled by the
+multiprocess executor; extra attributes survive).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import EvictionSpec
+
+PAYLOAD_ATTR = "kvtier"
+
+
+@dataclass
+class CompactionOp:
+    req_id: str
+    old_len: int          # physical entries per head before the round
+    new_len: int          # after (K + r)
+    keep_blocks: int      # the request keeps its first keep_blocks blocks
+    prompt_len: int
+    spec: EvictionSpec
+    round: int
+    query_position: int   # logical position of the newest cached token
+
+
+@dataclass
+class StepPayload:
+    ops: list[CompactionOp] = field(default_factory=list)
+    offsets: dict[str, int] = field(default_factory=dict)   # logical - physical, per scheduled request
+    resets: list[str] = field(default_factory=list)         # preempted: eviction state starts over
+    blocks_freed: int = 0
+    preempted_compressed: int = 0

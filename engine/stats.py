@@ -1,0 +1,83 @@
+"""Eviction counters (worker process) and the optional keep-set audit log."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+
+ROUND_MS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000)
+
+
+@dataclass
+class RequestCounters:
+    events: int = 0            # eviction rounds applied to this request
+    tokens_evicted: int = 0    # per KV head (each head evicts the same count, different tokens)
+    peak_blocks: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class EngineCounters:
+    events: int = 0                  # request-rounds applied
+    steps_with_eviction: int = 0     # engine steps that ran >= 1 round (all due rounds run together)
+    tokens_evicted: int = 0
+    blocks_freed: int = 0
+    preemptions_compressed: int = 0
+    round_ms_sum: float = 0.0
+    round_ms_count: int = 0
+    round_ms_buckets: list[int] = field(default_factory=lambda: [0] * (len(ROUND_MS_BUCKETS) + 1))
+
+
+class EvictionStats:
+    """Engine totals plus per-request counters (finished requests kept in a bounded LRU)."""
+
+    def __init__(self, keep_finished: int = 4096) -> None:
+        self.engine = EngineCounters()
+        self.requests: "OrderedDict[str, RequestCounters]" = OrderedDict()
+        self.keep_finished = keep_finished
+        self._lock = threading.Lock()
+
+    def request(self, req_id: str) -> RequestCounters:
+        rc = self.requests.get(req_id)
+        if rc is None:
+            rc = self.requests[req_id] = RequestCounters()
+            while len(self.requests) > self.keep_finished:
+                self.requests.popitem(last=False)
+        return rc
+
+    def observe_round_ms(self, ms: float) -> None:
+        e = self.engine
+        e.round_ms_sum += ms
+        e.round_ms_count += 1
+        i = next((i for i, b in enumerate(ROUND_MS_BUCKETS) if ms <= b), len(ROUND_MS_BUCKETS))
+        e.round_ms_buckets[i] += 1
+
+    def snapshot(self, request_ids: list[str] | None = None) -> dict:
+        with self._lock:
+            reqs = self.requests if request_ids is None else {r: self.requests[r] for r in request_ids if r in self.requests}
+            return {
+                "engine": asdict(self.engine),
+                "round_ms_bucket_bounds": list(ROUND_MS_BUCKETS),
+                "requests": {k: asdict(v) for k, v in reqs.items()},
+            }
+
+
+class AuditLog:
+    """One JSON line per request-round: the kept logical positions of every (layer, KV head)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fh = open(path, "a", buffering=1)
+
+    def write(self, **record) -> None:
+        self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_audit_log(path: str) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
