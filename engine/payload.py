@@ -29,6 +29,6 @@ class CompactionOp:
 class StepPayload:
     ops: list[CompactionOp] = field(default_factory=list)
     offsets: dict[str, int] = field(default_factory=dict)   # logical - physical, per scheduled request
-    resets: list[str] = field(default_factory=list)         # preempted: eviction state starts over
+    resets: dict[str, int] = field(default_factory=dict)    # preempted: req -> first query row recomputed in full
     blocks_freed: int = 0
     preempted_compressed: int = 0

