@@ -32,27 +32,25 @@ def model_tiny(
     typer.echo(f"tiny Qwen3 written to {path}")
 
 
-@bench_app.command("rounds")
-def bench_rounds(
-    layers: int = typer.Option(36, help="Transformer layers (one eviction per layer per round)."),
-    kv_heads: int = typer.Option(8, "--kv-heads"),
-    head_dim: int = typer.Option(128, "--head-dim"),
-    budget: int = typer.Option(1024, help="K, kept candidates per head."),
-    buffer: int = typer.Option(64, help="r, the never-scored recent buffer."),
-    query_heads: int = typer.Option(32, "--query-heads"),
-    prompt_len: int = typer.Option(128, "--prompt-len"),
-    batch: int = typer.Option(1),
-    device: str = typer.Option("cpu", help="cpu or cuda"),
-    repeats: int = typer.Option(20),
-    policies: Optional[str] = typer.Option(None, help="Comma-separated policy names (default: all registered)."),
-) -> None:
-    """Milliseconds per eviction round for every policy, plus the full-gather compaction floor."""
-    from kvtier.benchmarks.rounds import RoundShapes, run_rounds_bench
+# Each command group lives with the code it drives; a module exposes register(app) and imports its heavy
+# dependencies (torch, vLLM, Ray, verl) only inside the commands.
+COMMAND_MODULES = (
+    "kvtier.benchmarks.cli",     # kvtier bench rounds|throughput|capacity
+    "kvtier.engine.cli",         # kvtier generate
+    "kvtier.service.serve_cli",  # kvtier serve
+    "kvtier.rollout.cli",        # kvtier rollout ...
+    "kvtier.evaluation.cli",     # kvtier eval ...
+)
 
-    shapes = RoundShapes(layers=layers, kv_heads=kv_heads, head_dim=head_dim, budget=budget, buffer=buffer,
-                         query_heads=query_heads, prompt_len=prompt_len, batch=batch)
-    names = policies.split(",") if policies else None
-    _print_json(run_rounds_bench(shapes, device=device, repeats=repeats, policies=names))
+
+def _register_commands() -> None:
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(app, bench_app)
+
+
+_register_commands()
 
 
 def main() -> None:  # pragma: no cover
