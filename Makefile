@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # pip must take torch's CPU build from the local wheel folder; an unpinned torch pulls a CUDA build.
 WHEELS := $(wildcard /opt/wheels)
 PIPFLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
-EXTRAS ?= cpu,serve,rollout,test
+EXTRAS ?= cpu,serve,rollout,test,bench
 STAMP  := $(VENV)/.kvtier-setup-$(shell echo '$(EXTRAS)' | tr ',' '-')
 PYTEST_ARGS ?=
 

@@ -34,3 +34,47 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                              query_heads=query_heads, prompt_len=prompt_len, batch=batch)
         names = policies.split(",") if policies else None
         _print_json(run_rounds_bench(shapes, device=device, repeats=repeats, policies=names))
+
+    @bench_app.command("throughput")
+    def bench_throughput(
+        requests: int = typer.Option(16, help="Offered load: requests submitted at once."),
+        prompt_tokens: int = typer.Option(128, "--prompt-tokens"),
+        gen_tokens: int = typer.Option(2048, "--gen-tokens", help="Generated per request (ignore_eos)."),
+        budget: int = typer.Option(256, help="K for compressed arms."),
+        buffer: int = typer.Option(64),
+        policies: str = typer.Option("full,random,snapkv", help="Arms: full, stock (unpatched vLLM), POLICY or POLICY:K."),
+        kv_bytes: Optional[int] = typer.Option(None, "--kv-bytes", help="KV pool bytes (default: 68 usable blocks of the tiny model)."),
+        model: Optional[str] = typer.Option(None, help="HF model dir (default: the tiny local Qwen3)."),
+        plot: Optional[str] = typer.Option(None, help="Write a PNG bar chart here."),
+    ) -> None:
+        """Tok/s, peak batch, preemptions and eviction events per arm, and ratios to full attention."""
+        from kvtier.benchmarks.throughput import LoadShape, run_throughput_bench
+        from kvtier.models.tiny import ensure_tiny_model
+
+        shape = LoadShape(requests=requests, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, budget=budget,
+                          buffer=buffer, **({"kv_bytes": kv_bytes} if kv_bytes else {}))
+        report = run_throughput_bench(model or str(ensure_tiny_model()), shape, policies.split(","), plot)
+        _print_json(report)
+        if not report["valid"]:
+            raise typer.Exit(2)
+
+    @bench_app.command("capacity")
+    def bench_capacity(
+        budget: int = typer.Option(256),
+        buffer: int = typer.Option(64),
+        prompt_tokens: int = typer.Option(64, "--prompt-tokens"),
+        gen_tokens: int = typer.Option(640, "--gen-tokens"),
+        policy: str = typer.Option("random"),
+        kv_bytes: Optional[int] = typer.Option(None, "--kv-bytes", help="KV pool bytes (default: 32 usable blocks of the tiny model)."),
+        model: Optional[str] = typer.Option(None),
+    ) -> None:
+        """Largest number of concurrent sequences without preemption, measured vs block arithmetic."""
+        from kvtier.benchmarks.capacity import CapacityShape, run_capacity_bench
+        from kvtier.models.tiny import ensure_tiny_model
+
+        shape = CapacityShape(budget=budget, buffer=buffer, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
+                              policy=policy, **({"kv_bytes": kv_bytes} if kv_bytes else {}))
+        report = run_capacity_bench(model or str(ensure_tiny_model()), shape)
+        _print_json(report)
+        if not report["valid"]:
+            raise typer.Exit(2)

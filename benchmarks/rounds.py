@@ -2,7 +2,8 @@
 
 The floor is a full per-head gather compaction of the same shapes (what the paper's engine does every
 round), timed in the same run: gather K+r survivors per head of K and V into preallocated buffers.
-Policy rounds use hole-filling compaction; order-free `random` runs as one batched draw for all layers.
+Policy rounds use hole-filling compaction over every layer at once (layers stacked as rows), as the
+engine runs all compactions due in one step together.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvtier.policies import (DenseHeadCache, EvictionSchedule, available, make_policy)
-from kvtier.policies.compaction import batched_order_free_round
 
 
 @dataclass(frozen=True)
@@ -34,31 +34,28 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _fresh_caches(s: RoundShapes, device: str, gen: torch.Generator) -> list[DenseHeadCache]:
-    """Caches at the moment a round is due: K + 2r entries, slots in a steady-state scrambled order."""
-    H, L = s.batch * s.kv_heads, s.budget + 2 * s.buffer
-    caches = []
-    for _ in range(s.layers):
-        c = DenseHeadCache(H, s.head_dim, L, dtype=torch.bfloat16, device=device)
-        c.keys.normal_(generator=gen)
-        c.values.normal_(generator=gen)
-        n_gen = L - s.buffer - s.prompt_len  # generated positions held, scattered over a longer trace
-        held = s.prompt_len + torch.rand(H, 4 * L, generator=gen, device=device).argsort(dim=1)[:, :n_gen]
-        prompt = torch.arange(s.prompt_len, device=device).expand(H, -1)
-        c.positions[:, : L - s.buffer] = torch.cat([prompt, held], dim=1)
-        c.positions[:, L - s.buffer :] = torch.arange(4 * L, 4 * L + s.buffer, device=device)
-        c.length = L
-        caches.append(c)
-    return caches
+def _fresh_cache(s: RoundShapes, device: str, gen: torch.Generator) -> DenseHeadCache:
+    """Every layer of every request stacked as rows of one cache, at the moment a round is due: K + 2r
+    entries per row, slots in a steady-state scrambled order, the prompt in the first slots."""
+    rows, L = s.layers * s.batch * s.kv_heads, s.budget + 2 * s.buffer
+    c = DenseHeadCache(rows, s.head_dim, L, dtype=torch.bfloat16, device=device)
+    c.keys.normal_(generator=gen)
+    c.values.normal_(generator=gen)
+    n_gen = L - s.buffer - s.prompt_len  # generated positions held, scattered over a longer trace
+    held = s.prompt_len + torch.rand(rows, 4 * L, generator=gen, device=device).argsort(dim=1)[:, :n_gen]
+    prompt = torch.arange(s.prompt_len, device=device).expand(rows, -1)
+    c.positions[:, : L - s.buffer] = torch.cat([prompt, held], dim=1)
+    c.positions[:, L - s.buffer :] = torch.arange(4 * L, 4 * L + s.buffer, device=device)
+    c.length = L
+    return c
 
 
-def _rearm(caches: list[DenseHeadCache], s: RoundShapes) -> None:
+def _rearm(c: DenseHeadCache, s: RoundShapes) -> None:
     """Put back r fresh buffer entries so the next round is due again (not timed)."""
     settled = s.budget + s.buffer
-    for c in caches:
-        top = int(c.positions[:, :settled].max()) + 1
-        c.positions[:, settled : settled + s.buffer] = torch.arange(top, top + s.buffer, device=c.positions.device)
-        c.length = settled + s.buffer
+    top = int(c.positions[:, :settled].max()) + 1
+    c.positions[:, settled : settled + s.buffer] = torch.arange(top, top + s.buffer, device=c.positions.device)
+    c.length = settled + s.buffer
 
 
 def _time(fn, rearm, repeats: int, device: str) -> list[float]:
@@ -76,7 +73,7 @@ def _time(fn, rearm, repeats: int, device: str) -> list[float]:
 
 def _policy_extras(name: str, s: RoundShapes, device: str, gen: torch.Generator) -> dict:
     window = 8
-    H, Hq = s.batch * s.kv_heads, s.batch * s.query_heads
+    H, Hq = s.layers * s.batch * s.kv_heads, s.layers * s.batch * s.query_heads
     S = s.budget + s.buffer
     return {
         "queries": torch.randn(Hq, window, s.head_dim, generator=gen, device=device).to(torch.bfloat16),
@@ -89,23 +86,22 @@ def _policy_extras(name: str, s: RoundShapes, device: str, gen: torch.Generator)
 def run_rounds_bench(s: RoundShapes, *, device: str = "cpu", repeats: int = 20, policies: list[str] | None = None) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     schedule = EvictionSchedule(budget=s.budget, buffer=s.buffer)
-    caches = _fresh_caches(s, device, gen)
-    rearm = lambda: _rearm(caches, s)  # noqa: E731
+    cache = _fresh_cache(s, device, gen)
+    rearm = lambda: _rearm(cache, s)  # noqa: E731
 
     # Floor: a full per-head gather of K+r survivors of K and V, for every layer, into preallocated buffers.
-    H, L, d = caches[0].keys.shape
+    H, L, d = cache.keys.shape
     keep = torch.rand(H, L, generator=gen, device=device).argsort(dim=1)[:, : s.budget + s.buffer].sort(dim=1).values
     flat_idx = (keep + torch.arange(H, device=device).unsqueeze(1) * L).reshape(-1)
     out_k = torch.empty(H * (s.budget + s.buffer), d, dtype=torch.bfloat16, device=device)
     out_v = torch.empty_like(out_k)
 
     def full_gather():
-        for c in caches:
-            torch.index_select(c.keys.view(H * L, d), 0, flat_idx, out=out_k)
-            torch.index_select(c.values.view(H * L, d), 0, flat_idx, out=out_v)
+        torch.index_select(cache.keys.view(H * L, d), 0, flat_idx, out=out_k)
+        torch.index_select(cache.values.view(H * L, d), 0, flat_idx, out=out_v)
 
     floor = statistics.median(_time(full_gather, lambda: None, repeats, device))
-    moved_mb = 2 * 2 * s.layers * H * (s.budget + s.buffer) * d * 2 / 1e6  # K and V, read + write, bf16
+    moved_mb = 2 * 2 * H * (s.budget + s.buffer) * d * 2 / 1e6  # rows x (K and V) x (read + write) x bf16
 
     results = {}
     for name in policies or available():
@@ -115,12 +111,9 @@ def run_rounds_bench(s: RoundShapes, *, device: str = "cpu", repeats: int = 20, 
         except Exception as exc:  # a policy that needs construction data (e.g. a calibration)
             results[name] = {"skipped": str(exc)}
             continue
-        if policy.order_free and not policy.needs:
-            fn = lambda p=policy: batched_order_free_round(caches, p, schedule, s.prompt_len, gen)  # noqa: E731
-        else:
-            extras = _policy_extras(name, s, device, gen)
-            extras = {k: v for k, v in extras.items() if k in policy.needs or k in ("generator", "query_position")}
-            fn = lambda p=policy, e=extras: [c.evict_round(p, schedule, s.prompt_len, **e) for c in caches]  # noqa: E731
+        extras = _policy_extras(name, s, device, gen)
+        extras = {k: v for k, v in extras.items() if k in policy.needs or k in ("generator", "query_position")}
+        fn = lambda p=policy, e=extras: cache.evict_round(p, schedule, s.prompt_len, **e)  # noqa: E731
         try:
             ms = statistics.median(_time(fn, rearm, repeats, device))
         except Exception as exc:

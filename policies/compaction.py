@@ -53,14 +53,28 @@ def full_gather_plan(keep_slots: Tensor, cached_len: int) -> CompactionPlan:
 
 
 def apply_plan_dense(cache: Tensor, plan: CompactionPlan) -> None:
-    """Apply a plan in place to a dense [H, capacity, ...] tensor (K or V of one layer)."""
+    """Apply a plan in place to a dense [H, capacity, ...] tensor (K or V of one layer, or many stacked)."""
     if plan.src.numel() == 0:
         return
     H = cache.shape[0]
-    flat = cache.view(H * cache.shape[1], *cache.shape[2:])
+    rows = _wide_rows(cache.view(H * cache.shape[1], -1))
     base = (torch.arange(H, device=cache.device) * cache.shape[1]).unsqueeze(1)
     # Read all sources before writing (a full gather's sources and destinations overlap).
-    flat[(plan.dst + base).reshape(-1)] = flat[(plan.src + base).reshape(-1)]
+    rows.index_copy_(0, (plan.dst + base).reshape(-1), rows.index_select(0, (plan.src + base).reshape(-1)))
+
+
+def _wide_rows(rows: Tensor) -> Tensor:
+    """The same bytes with the widest element type that tiles a row: CPU index_copy_ works per element,
+    so fewer, wider elements move a row faster (a 128 x bf16 row becomes 16 x complex128)."""
+    nbytes = rows.shape[1] * rows.element_size()
+    for dt in (torch.complex128, torch.int64, torch.int32):
+        size = torch.empty((), dtype=dt).element_size()
+        if nbytes % size == 0 and rows.element_size() <= size and rows.is_contiguous():
+            try:
+                return rows.view(dt)
+            except RuntimeError:
+                continue
+    return rows
 
 
 class DenseHeadCache:
@@ -105,8 +119,8 @@ class DenseHeadCache:
         )
         return ctx, order
 
-    def evict_round(self, policy: EvictionPolicy, schedule: EvictionSchedule, prompt_len: int, *, gather: bool = False, **extra) -> Tensor:
-        """Run one round now; returns the kept logical positions per head [H, K], ascending."""
+    def evict_round(self, policy: EvictionPolicy, schedule: EvictionSchedule, prompt_len: int, *, gather: bool = False, **extra) -> None:
+        """Run one round now (hole filling by default, the full gather as the reference)."""
         ctx, order = self.context(policy, schedule, prompt_len, **extra)
         if gather:
             keep = policy.keep(ctx)
@@ -115,14 +129,13 @@ class DenseHeadCache:
             plan = full_gather_plan(torch.cat([keep_slots, buffer], dim=1), self.length)
         else:
             evict = policy.evict(ctx)
-            evict_slots = evict if order is None else order.gather(1, evict)
-            plan = hole_fill_plan(evict_slots.sort(dim=1).values, self.length)
+            evict_slots = evict if order is None else order.gather(1, evict).sort(dim=1).values
+            plan = hole_fill_plan(evict_slots, self.length)
         for t in (self.keys, self.values):
             apply_plan_dense(t, plan)
         apply_plan_dense(self.positions.unsqueeze(-1), plan)
         self.positions[:, plan.new_len :] = -1
         self.length = plan.new_len
-        return self.kept_positions(schedule.buffer)
 
     def kept_positions(self, buffer: int) -> Tensor:
         """[H, n] logical positions held outside the recent buffer, ascending."""

@@ -29,10 +29,45 @@ class RandomPolicy(EvictionPolicy):
         self._validate(ctx)
         H, S = ctx.positions.shape
         n_evict = max(S - ctx.budget, 0)
+        protected = self.protected_mask(ctx)
+        n_prot = self.protected_len(ctx.prompt_len)
+        # Hole-filling caches keep the protected positions in the first slots (they are never holes and
+        # never in the moved tail), so victims can be drawn straight from the slot range after them.
+        if type(self).score is RandomPolicy.score and _is_prefix(protected, n_prot):
+            return sample_distinct(H, S - n_prot, n_evict, ctx.generator, ctx.positions.device) + n_prot
         scores = self.score(ctx)
         scores = scores.float() if scores.dtype != torch.float64 else scores
-        scores = scores.masked_fill(self.protected_mask(ctx), float("inf"))  # protected never among the smallest
+        scores = scores.masked_fill(protected, float("inf"))  # protected never among the smallest
         return scores.topk(n_evict, dim=1, largest=False).indices.sort(dim=1).values
+
+
+def _is_prefix(mask: Tensor, n: int) -> bool:
+    """True when every row's True entries are exactly its first n columns."""
+    return n <= mask.shape[1] and bool(mask[:, :n].all()) and not bool(mask[:, n:].any())
+
+
+def sample_distinct(rows: int, n: int, k: int, generator: torch.Generator | None, device) -> Tensor:
+    """[rows, k] ascending: per row, a uniformly random k-subset of range(n).
+
+    For k << n it draws about 1.5k integers per row and keeps the first k distinct ones in draw order
+    (the procedure commutes with relabelling [n], so every k-subset is equally likely); a row with too few
+    distinct draws, or a large k, falls back to the top-k of n uniform scores.
+    """
+    if k == 0:
+        return torch.empty(rows, 0, dtype=torch.long, device=device)
+    if 4 * k <= n:
+        m = k + k // 2 + 8
+        draws = torch.randint(0, n, (rows, m), generator=generator, device=device)
+        j = torch.arange(m, device=device).expand(rows, m)
+        first_at = torch.full((rows, n), m, dtype=torch.long, device=device)
+        first_at.scatter_reduce_(1, draws, j, reduce="amin")     # first draw index of each value
+        first = first_at.gather(1, draws) == j
+        rank = first.cumsum(dim=1)
+        take = first & (rank <= k)
+        if bool((rank[:, -1] >= k).all()):
+            return draws[take].view(rows, k).sort(dim=1).values
+    scores = torch.rand(rows, n, generator=generator, device=device)
+    return scores.topk(k, dim=1, largest=False).indices.sort(dim=1).values
 
 
 @register

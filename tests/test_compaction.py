@@ -44,7 +44,8 @@ def test_compacted_attention_equals_masked_full_attention(name, gather):
         torch.testing.assert_close(cache.attend(q), masked_reference(all_k, all_v, alive, q), rtol=1e-9, atol=1e-9)
         if sched.due(cache.length, t + 1):
             window = torch.stack(queries[-8:], dim=1)
-            kept = cache.evict_round(pol, sched, lp, gather=gather, generator=gen, queries=window)
+            cache.evict_round(pol, sched, lp, gather=gather, generator=gen, queries=window)
+            kept = cache.kept_positions(sched.buffer)
             rounds += 1
             assert cache.length == sched.settled_len
             new_alive = torch.zeros_like(alive)

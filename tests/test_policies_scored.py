@@ -383,8 +383,9 @@ def run_rounds(name, protect, rounds=25, prompt_len=10, K=24, r=8, H=2, Hq=4, d=
         cand = cache.positions[:, :n_cand].sort(dim=1).values
         attention = torch.rand(H, n_cand, generator=g).masked_fill(cand < prompt_len, 0.0)
         queries = 3.0 * direction + 0.3 * torch.randn(Hq, 8, d, generator=g)
-        kept = cache.evict_round(pol, sched, prompt_len, queries=queries, attention=attention, query_position=pos,
-                                 generator=g, extras=extras)
+        cache.evict_round(pol, sched, prompt_len, queries=queries, attention=attention, query_position=pos,
+                          generator=g, extras=extras)
+        kept = cache.kept_positions(sched.buffer)
         assert kept.shape == (H, K) and cache.length == K + r
         lost |= {p for h in range(H) for p in range(prompt_len) if p not in set(kept[h].tolist())}
         rounds_done += 1
