@@ -1,0 +1,51 @@
+"""Benchmark commands produce complete, validated JSON (no timings asserted: speed claims come from the
+benchmark runs themselves, reported in the issue notes)."""
+
+import json
+import subprocess
+import sys
+
+
+def run_json(args):
+    """Run `kvtier ARGS` in a fresh process (as a user would) and parse its JSON output."""
+    proc = subprocess.run([sys.executable, "-m", "kvtier.service.cli", *args], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def test_bench_rounds_reports_every_policy_against_the_gather_floor():
+    r = run_json(["bench", "rounds", "--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--budget", "64",
+                  "--buffer", "16", "--query-heads", "4", "--prompt-len", "8", "--repeats", "2"])
+    from kvtier.policies import available
+
+    assert r["full_gather_floor"]["ms_per_round"] > 0
+    for name in ("random", "random_shared", "random_block", "recency", "streaming", "snapkv"):
+        assert r["policies"][name]["ms_per_round"] > 0
+        assert r["policies"][name]["ratio_to_full_gather"] > 0
+    assert set(r["policies"]) == set(available())
+
+
+def test_bench_throughput_smoke_counts_evictions(tmp_path):
+    plot = tmp_path / "tp.png"
+    r = run_json(["bench", "throughput", "--requests", "3", "--prompt-tokens", "32", "--gen-tokens", "200",
+                  "--budget", "64", "--buffer", "16", "--policies", "full,random,snapkv",
+                  "--kv-bytes", str(3 << 20), "--plot", str(plot)])
+    assert r["valid"] and plot.stat().st_size > 1000
+    assert r["arms"]["full"]["eviction_events"] == 0 and r["arms"]["full"]["ratio_to_full"] == 1.0
+    for arm in ("random", "snapkv"):
+        a = r["arms"][arm]
+        assert a["generated_tokens"] == 600
+        assert a["eviction_events"] >= 3 * 7, a   # 3 requests, a round every 16 tokens past K + r
+        assert a["tokens_evicted"] > 0 and a["preemptions"] == 0
+
+
+def test_bench_capacity_matches_block_arithmetic():
+    r = run_json(["bench", "capacity", "--budget", "100", "--buffer", "14", "--prompt-tokens", "32",
+                  "--gen-tokens", "300", "--kv-bytes", str(7 * 4 * 2 * 64 * 2 * 2 * 128)])
+    # 6 usable blocks: full sequences need 3 blocks (332 tokens), compressed ones 1 (K + 2r = 128)
+    assert r["blocks_per_sequence"] == {"full": 3, "compressed": 1}
+    assert r["predicted"] == {"full": 2, "compressed": 6}
+    assert r["measured"]["compressed"] > r["measured"]["full"] >= 1
+    assert all(r["matches_block_arithmetic"].values()), r
+    assert r["valid"]
