@@ -40,6 +40,7 @@ COMMAND_MODULES = (
     "kvtier.service.serve_cli",  # kvtier serve
     "kvtier.rollout.cli",        # kvtier rollout ...
     "kvtier.evaluation.cli",     # kvtier eval ...
+    "kvtier.observability.cli",  # kvtier dashboards export|push
 )
 
 
