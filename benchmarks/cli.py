@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 
@@ -13,6 +14,29 @@ def _print_json(obj) -> None:
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    @app.command("calibrate")
+    def calibrate(
+        out: Path = typer.Option(..., "--out", help="Calibration file to write (safetensors)."),
+        model: Optional[str] = typer.Option(None, help="HF model dir (default: the tiny local Qwen3)."),
+        tokens: int = typer.Option(128, help="Tokens generated per prompt (the sampled decode steps)."),
+        prompt: Optional[List[str]] = typer.Option(None, "--prompt", "-p", help="A prompt (repeatable; default: built-in)."),
+        prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="File with one prompt per line."),
+        temperature: float = typer.Option(0.0, help="0 = greedy."),
+        seed: int = typer.Option(0),
+        dtype: str = typer.Option("bfloat16", help="Model dtype for the sample (bfloat16 = as served)."),
+        device: str = typer.Option("cpu"),
+    ) -> None:
+        """TriAttention calibration (per layer and KV head) from the model's own decode steps; pass the file
+        to requests as kvtier_params={"calibration": OUT}."""
+        from kvtier.engine.calibrate import run_calibrate
+        from kvtier.models.tiny import ensure_tiny_model
+
+        prompts = list(prompt or [])
+        if prompts_file is not None:
+            prompts += [l for l in prompts_file.read_text().splitlines() if l.strip()]
+        _print_json(run_calibrate(model or str(ensure_tiny_model()), out, prompts=prompts or None, tokens=tokens,
+                                  temperature=temperature, seed=seed, dtype=dtype, device=device))
+
     @bench_app.command("rounds")
     def bench_rounds(
         layers: int = typer.Option(36, help="Transformer layers (one eviction per layer per round)."),
@@ -46,6 +70,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         kv_bytes: Optional[int] = typer.Option(None, "--kv-bytes", help="KV pool bytes (default: 68 usable blocks of the tiny model)."),
         model: Optional[str] = typer.Option(None, help="HF model dir (default: the tiny local Qwen3)."),
         plot: Optional[str] = typer.Option(None, help="Write a PNG bar chart here."),
+        policy_params: Optional[str] = typer.Option(
+            None, "--policy-params", help='JSON: per policy, its kvtier_params, e.g. '
+            '\'{"triattention": {"calibration": "calib.safetensors"}}\' (file from `kvtier calibrate`).'),
     ) -> None:
         """Tok/s, peak batch, preemptions and eviction events per arm, and ratios to full attention."""
         from kvtier.benchmarks.throughput import LoadShape, run_throughput_bench
@@ -53,7 +80,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         shape = LoadShape(requests=requests, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, budget=budget,
                           buffer=buffer, **({"kv_bytes": kv_bytes} if kv_bytes else {}))
-        report = run_throughput_bench(model or str(ensure_tiny_model()), shape, policies.split(","), plot)
+        try:
+            per_policy = json.loads(policy_params) if policy_params else {}
+        except json.JSONDecodeError as exc:
+            raise typer.BadParameter(f"--policy-params must be JSON: {exc}") from None
+        if not isinstance(per_policy, dict) or not all(isinstance(v, dict) for v in per_policy.values()):
+            raise typer.BadParameter('--policy-params must map policy names to objects: {"POLICY": {...}}')
+        report = run_throughput_bench(model or str(ensure_tiny_model()), shape, policies.split(","), plot,
+                                      policy_params=per_policy)
         _print_json(report)
         if not report["valid"]:
             raise typer.Exit(2)

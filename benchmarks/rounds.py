@@ -4,6 +4,14 @@ The floor is a full per-head gather compaction of the same shapes (what the pape
 round), timed in the same run: gather K+r survivors per head of K and V into preallocated buffers.
 Policy rounds use hole-filling compaction over every layer at once (layers stacked as rows), as the
 engine runs all compactions due in one step together.
+
+What each policy is given (the engine supplies the same per layer): keys, values and the buffer's keys
+from the cache; `queries` a window of 8 recent queries per query head; `h2o`'s timed round includes
+what the engine does each round before selecting, adding the attention of the r queries since the last
+round to the accumulated sums (an fp32 recomputation over every cached entry, `accumulated_attention`);
+`triattention` a synthetic calibration (seeded normal series coefficients, uniform norm weights, RoPE
+θ = 1e6 as Qwen3), one "layer" whose heads are the stacked rows — its cost does not depend on the
+coefficient values, only on the shapes, so the bench needs no model.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvtier.policies import (DenseHeadCache, EvictionSchedule, available, make_policy)
+from kvtier.policies.h2o import accumulated_attention
+from kvtier.policies.triattention import TriAttentionCalibration, rope_frequencies
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,33 @@ def _policy_extras(name: str, s: RoundShapes, device: str, gen: torch.Generator)
     }
 
 
+def synthetic_calibration(rows: int, head_dim: int, seed: int = 0, rope_theta: float = 1e6) -> TriAttentionCalibration:
+    """A TriAttention calibration of the bench's shapes: one layer, `rows` heads (module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    M = head_dim // 2
+    return TriAttentionCalibration(
+        cos_coef=torch.randn(1, rows, M, generator=g), sin_coef=torch.randn(1, rows, M, generator=g),
+        norm_weight=torch.rand(1, rows, M, generator=g), omega=rope_frequencies(rope_theta, head_dim).float(),
+        rope_style="half", rope_theta=rope_theta)
+
+
+def _policy_params(name: str, s: RoundShapes) -> dict:
+    if name == "triattention":
+        return {"calibration": synthetic_calibration(s.layers * s.batch * s.kv_heads, s.head_dim)}
+    return {}
+
+
+def _h2o_round(policy, cache: DenseHeadCache, schedule: EvictionSchedule, s: RoundShapes, queries, extras: dict):
+    """The engine's H2O round: add the attention of the r queries since the last round on every cached
+    entry, hand the candidates' sums to the policy (chronological), evict."""
+    n, n_cand = cache.length, schedule.num_candidates(cache.length)
+    pos = cache.positions[:, :n]
+    qpos = pos.max() - torch.arange(s.buffer - 1, -1, -1, device=pos.device)
+    acc = accumulated_attention(cache.keys[:, :n], pos, queries, qpos)
+    order = pos[:, :n_cand].argsort(dim=1)
+    cache.evict_round(policy, schedule, s.prompt_len, attention=acc[:, :n_cand].gather(1, order), **extras)
+
+
 def run_rounds_bench(s: RoundShapes, *, device: str = "cpu", repeats: int = 20, policies: list[str] | None = None) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     schedule = EvictionSchedule(budget=s.budget, buffer=s.buffer)
@@ -107,13 +144,18 @@ def run_rounds_bench(s: RoundShapes, *, device: str = "cpu", repeats: int = 20, 
     for name in policies or available():
         extras = {}
         try:
-            policy = make_policy(name)
-        except Exception as exc:  # a policy that needs construction data (e.g. a calibration)
+            policy = make_policy(name, **_policy_params(name, s))
+        except Exception as exc:  # a policy that needs construction data the bench cannot make
             results[name] = {"skipped": str(exc)}
             continue
         extras = _policy_extras(name, s, device, gen)
-        extras = {k: v for k, v in extras.items() if k in policy.needs or k in ("generator", "query_position")}
-        fn = lambda p=policy, e=extras: cache.evict_round(p, schedule, s.prompt_len, **e)  # noqa: E731
+        if "attention" in policy.needs:
+            rq = torch.randn(s.layers * s.batch * s.query_heads, s.buffer, s.head_dim, generator=gen, device=device)
+            rest = {k: v for k, v in extras.items() if k in ("generator", "query_position")}
+            fn = lambda p=policy, q=rq.to(torch.bfloat16), e=rest: _h2o_round(p, cache, schedule, s, q, e)  # noqa: E731
+        else:
+            extras = {k: v for k, v in extras.items() if k in policy.needs or k in ("generator", "query_position")}
+            fn = lambda p=policy, e=extras: cache.evict_round(p, schedule, s.prompt_len, **e)  # noqa: E731
         try:
             ms = statistics.median(_time(fn, rearm, repeats, device))
         except Exception as exc:

@@ -60,7 +60,9 @@ def _stock_arm(model: str, s: LoadShape) -> dict:
             "peak_running": None, "preemptions": None, "eviction_events": 0, "valid": True}
 
 
-def run_throughput_bench(model: str, s: LoadShape, arms: list[str], plot: str | None = None) -> dict:
+def run_throughput_bench(model: str, s: LoadShape, arms: list[str], plot: str | None = None,
+                         policy_params: dict[str, dict] | None = None) -> dict:
+    """policy_params: per policy name, its kvtier_params (e.g. {"triattention": {"calibration": PATH}})."""
     from vllm import SamplingParams
 
     from kvtier.engine.api import eviction_stats, pool_state, sampling_extra_args
@@ -75,7 +77,9 @@ def run_throughput_bench(model: str, s: LoadShape, arms: list[str], plot: str | 
         if name == "stock":
             results[arm] = _stock_arm(model, s)
             continue
-        extra = sampling_extra_args(budget=budget, policy=name, buffer=s.buffer) if budget is not None else None
+        extra = (sampling_extra_args(budget=budget, policy=name, buffer=s.buffer,
+                                     params=(policy_params or {}).get(name) or None)
+                 if budget is not None else None)
         params = SamplingParams(max_tokens=s.gen_tokens, temperature=0, ignore_eos=True, extra_args=extra)
         before = eviction_stats(llm)["engine"]
         obs.reset()
@@ -98,7 +102,7 @@ def run_throughput_bench(model: str, s: LoadShape, arms: list[str], plot: str | 
         r["ratio_to_full"] = r["tok_per_s"] / base["tok_per_s"] if base else None
     if "stock" in results and "full" in results:
         results["full"]["ratio_to_stock"] = results["full"]["tok_per_s"] / results["stock"]["tok_per_s"]
-    report = {"model": model, "shape": asdict(s), "pool": pool, "arms": results,
+    report = {"model": model, "shape": asdict(s), "pool": pool, "arms": results, "policy_params": policy_params or {},
               "valid": all(r["valid"] for r in results.values())}
     if plot:
         _plot(report, plot)

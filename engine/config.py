@@ -131,12 +131,17 @@ def resolve_request_spec(default: EvictionSpec, extra_args: dict[str, Any] | Non
             f"kvtier_{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
 
 
-def validate_request(spec: EvictionSpec, prompt_len: int) -> None:
-    """Reject what cannot be served: unknown policy or parameters, a prompt the budget cannot protect."""
+def validate_request(spec: EvictionSpec, prompt_len: int, **model_shape: int | None) -> None:
+    """Reject what cannot be served: unknown policy or parameters, a prompt the budget cannot protect,
+    a policy missing what only the request can supply (a policy's `check_serving`, e.g. triattention's
+    calibration; `model_shape` = num_layers / num_kv_heads / head_dim when the caller knows them)."""
     if not spec.compressed:
         return
     try:
         policy = spec.make_policy()
         policy.check_budget(spec.budget, prompt_len)
+        check = getattr(policy, "check_serving", None)
+        if check is not None:
+            check(**model_shape)
     except PolicyError as exc:
         raise EvictionConfigError(f"kvtier: {exc}") from None

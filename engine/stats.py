@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 
 ROUND_MS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000)
@@ -28,6 +28,7 @@ class EngineCounters:
     round_ms_sum: float = 0.0
     round_ms_count: int = 0
     round_ms_buckets: list[int] = field(default_factory=lambda: [0] * (len(ROUND_MS_BUCKETS) + 1))
+    by_policy: dict[str, dict[str, int]] = field(default_factory=dict)   # policy -> {events, tokens_evicted}
 
 
 class EvictionStats:
@@ -38,6 +39,26 @@ class EvictionStats:
         self.requests: "OrderedDict[str, RequestCounters]" = OrderedDict()
         self.keep_finished = keep_finished
         self._lock = threading.Lock()
+        self._round_ms_samples: deque[float] = deque(maxlen=10000)  # drained by metric exporters
+
+    def record_round(self, req_id: str, policy: str, tokens_evicted: int) -> None:
+        """One request-round applied."""
+        rc = self.request(req_id)
+        rc.events += 1
+        rc.tokens_evicted += tokens_evicted
+        e = self.engine
+        e.events += 1
+        e.tokens_evicted += tokens_evicted
+        p = e.by_policy.setdefault(policy, {"events": 0, "tokens_evicted": 0})
+        p["events"] += 1
+        p["tokens_evicted"] += tokens_evicted
+
+    def drain_round_ms(self) -> list[float]:
+        """Round times observed since the last drain (for histogram exporters)."""
+        with self._lock:
+            out = list(self._round_ms_samples)
+            self._round_ms_samples.clear()
+        return out
 
     def request(self, req_id: str) -> RequestCounters:
         rc = self.requests.get(req_id)
@@ -48,6 +69,7 @@ class EvictionStats:
         return rc
 
     def observe_round_ms(self, ms: float) -> None:
+        self._round_ms_samples.append(ms)
         e = self.engine
         e.round_ms_sum += ms
         e.round_ms_count += 1

@@ -58,7 +58,9 @@ def validate_engine_request(vllm_config, request) -> None:
         return
     try:
         spec = resolve_request_spec(cfg.default, extra)
-        validate_request(spec, len(request.prompt_token_ids or ()))
+        mc = vllm_config.model_config
+        validate_request(spec, len(request.prompt_token_ids or ()), num_layers=mc.get_total_num_hidden_layers(),
+                         num_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.get_head_size())
     except EvictionConfigError as exc:
         raise KVTierRequestError(str(exc), parameter=next(iter(asked), None)) from None
 

@@ -29,6 +29,7 @@ both terms alike and does not change the per-head ranking).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
@@ -137,11 +138,26 @@ def save_calibration(calibration: TriAttentionCalibration, path: str | Path) -> 
 
 
 def load_calibration(path: str | Path) -> TriAttentionCalibration:
+    """Load a saved calibration. Loads are cached per (file, mtime, size): every request naming the same
+    file shares one copy (the tensors are read-only in use)."""
+    p = Path(path).expanduser().resolve()
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise PolicyError(f"triattention calibration {str(path)!r}: {exc.strerror or exc}") from None
+    return _load_calibration(str(p), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=16)
+def _load_calibration(path: str, _mtime_ns: int, _size: int) -> TriAttentionCalibration:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {n: f.get_tensor(n) for n in ("cos_coef", "sin_coef", "norm_weight", "omega")}
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {n: f.get_tensor(n) for n in ("cos_coef", "sin_coef", "norm_weight", "omega")}
+    except Exception as exc:  # not a safetensors file, or missing tensors
+        raise PolicyError(f"triattention calibration {path!r} is not a kvtier calibration: {exc}") from None
     theta = meta.get("rope_theta", "")
     return TriAttentionCalibration(**tensors, rope_style=meta.get("rope_style", "half"), rope_theta=float(theta) if theta else None)
 
@@ -157,7 +173,8 @@ def future_offsets(max_offset: int) -> list[int]:
 class TriAttentionPolicy(EvictionPolicy):
     """s_i = mean_o f_h(Δ_i + o) + Σ_m β_{h,m} |k_{i,m}|, Δ_i = query_position − position_i (module doc).
 
-    The calibration comes from the constructor (a TriAttentionCalibration or a path to a saved one) or
+    The calibration comes from the constructor (a TriAttentionCalibration or a path to a saved one, as
+    the engine passes it from kvtier_params={"calibration": PATH}, file made by `kvtier calibrate`) or
     per round from ctx.extras["triattention"]; the layer from ctx.extras["layer"] or the constructor
     (not needed for a one-layer calibration). Keeps the whole prompt by default (paper §5.1).
     """
@@ -177,6 +194,20 @@ class TriAttentionPolicy(EvictionPolicy):
 
     def params(self) -> dict:
         return {**super().params(), "layer": self.layer, "max_offset": self.max_offset}
+
+    def check_serving(self, *, num_layers: int | None = None, num_kv_heads: int | None = None,
+                      head_dim: int | None = None) -> None:
+        """Raise unless this policy can run in an engine on its own (the engine passes no calibration
+        through extras): a calibration is set and, for the shapes given, fits the model."""
+        cal = self.calibration
+        if cal is None:
+            raise PolicyError("policy 'triattention' needs a calibration: kvtier_params={\"calibration\": "
+                              "\"/path/calib.safetensors\"} (made by `kvtier calibrate`)")
+        got = (cal.num_layers, cal.num_heads, 2 * cal.omega.shape[0])
+        want = (num_layers, num_kv_heads, head_dim)
+        if any(w is not None and w != g for g, w in zip(got, want)):
+            raise PolicyError(f"triattention calibration is for {got[0]} layers x {got[1]} KV heads x head_dim "
+                              f"{got[2]}, the model has {want[0]} x {want[1]} x {want[2]}")
 
     def score(self, ctx: EvictionContext) -> Tensor:
         cal = ctx.extras.get("triattention") or self.calibration
