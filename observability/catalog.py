@@ -200,3 +200,11 @@ if __name__ == "__main__":  # pragma: no cover
     import sys
 
     sys.stdout.write(markdown())
+
+
+def by_name(name: str) -> Metric:
+    """The catalog entry for a scraped metric name."""
+    for m in METRICS:
+        if m.name == name:
+            return m
+    raise KeyError(f"{name!r} is not in the metrics catalog")
