@@ -1,0 +1,14 @@
+"""kvtier's verl 0.9.1 rollout backend: `actor_rollout_ref.rollout.name=kvtier`.
+
+Modules (nothing is imported here; verl and vLLM load only when a module is used):
+
+* `verl_plugin` — importing it registers the backend with verl (replica + worker-side adapter);
+  put `VERL_USE_EXTERNAL_MODULES=kvtier.rollout.verl_plugin` in every Ray worker's environment;
+* `replica` (`KVTierReplica`), `server` (`KVTierServer`, the Ray actor hosting vLLM 0.31's AsyncLLM with
+  kvtier eviction), `adapter` (`KVTierServerAdapter`, verl's `BaseRollout` in the trainer workers),
+  `worker_ext` (vLLM worker extension: eviction counters, weight loading);
+* `settings` — `rollout.custom.kvtier` / `rollout.engine_kwargs.kvtier` -> engine arguments;
+* `metrics` — per-sample eviction columns in the output DataProto and their reduction for logging;
+* `verl_config`, `local`, `demo` — composing `configs/rollout/kvtier_grpo.yaml`, a local Ray rollout
+  stack, `kvtier rollout demo`.
+"""

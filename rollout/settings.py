@@ -1,0 +1,153 @@
+"""From verl's rollout config to the compressed engine: eviction settings and vLLM engine arguments.
+
+Where the knobs live in a verl config (`actor_rollout_ref.rollout`):
+
+```yaml
+name: kvtier
+custom:
+  kvtier:                      # engine-wide eviction default (kvtier.engine.config.EvictionSpec fields)
+    policy: random
+    budget: 2048               # K per KV head; null = full attention (no eviction)
+    buffer: 64                 # r: newest tokens never evicted, round cadence
+    protect_prompt: null       # policy default (random: true)
+    sinks: null
+    seed: null
+    params: {}
+    admission: reserve         # reserve | vllm (see EngineEvictionConfig)
+    audit_log: null            # JSONL of keep-sets per eviction round (debugging, tests)
+    query_window: 8
+    kv_cache_bytes: null       # KV pool size in bytes (CPU; on GPU gpu_memory_utilization applies)
+    server_num_cpus: null      # Ray CPUs reserved by each server actor (default: 1 on CPU clusters, 0 on GPU)
+engine_kwargs:
+  kvtier: {}                   # extra vLLM engine arguments, like engine_kwargs.vllm for verl's vLLM backend
+```
+
+Per request, a `kvtier_*` key in verl's sampling params (`kvtier_budget`, `kvtier_policy`,
+`kvtier_buffer`, ...) overrides the default for that request only (see `split_request_params`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.engine.config import REQUEST_KEYS, EngineEvictionConfig, EvictionConfigError, EvictionSpec
+
+logger = logging.getLogger("kvtier.rollout")
+
+ENGINE_KWARGS_KEY = "kvtier"
+WORKER_EXTENSION = "kvtier.rollout.worker_ext.KVTierWorkerExtension"
+_SPEC_FIELDS = set(EvictionSpec.model_fields)
+_ENGINE_FIELDS = {"enabled", "admission", "audit_log", "query_window"}
+_ROLLOUT_FIELDS = {"kv_cache_bytes", "server_num_cpus"}
+
+
+@dataclass(frozen=True)
+class KVTierRolloutSettings:
+    eviction: EngineEvictionConfig
+    kv_cache_bytes: int | None = None
+    server_num_cpus: float | None = None
+
+    @classmethod
+    def from_custom(cls, custom: Any) -> "KVTierRolloutSettings":
+        """Parse `rollout.custom.kvtier` (a dict, DictConfig or None)."""
+        raw = _plain((custom or {}).get("kvtier") if custom is not None else None) or {}
+        unknown = set(raw) - _SPEC_FIELDS - _ENGINE_FIELDS - _ROLLOUT_FIELDS
+        if unknown:
+            raise EvictionConfigError(
+                f"actor_rollout_ref.rollout.custom.kvtier: unknown key(s) {sorted(unknown)}; accepted: "
+                f"{sorted(_SPEC_FIELDS | _ENGINE_FIELDS | _ROLLOUT_FIELDS)}")
+        spec = {k: v for k, v in raw.items() if k in _SPEC_FIELDS}
+        engine = {k: v for k, v in raw.items() if k in _ENGINE_FIELDS and v is not None}
+        try:
+            eviction = EngineEvictionConfig.model_validate({**engine, "default": spec})
+        except Exception as exc:  # pydantic ValidationError -> one readable line
+            raise EvictionConfigError(f"actor_rollout_ref.rollout.custom.kvtier: {exc}") from None
+        kv = raw.get("kv_cache_bytes")
+        ncpu = raw.get("server_num_cpus")
+        return cls(eviction=eviction, kv_cache_bytes=int(kv) if kv is not None else None,
+                   server_num_cpus=float(ncpu) if ncpu is not None else None)
+
+    @classmethod
+    def from_rollout_config(cls, config) -> "KVTierRolloutSettings":
+        return cls.from_custom(_get(config, "custom"))
+
+
+def _get(obj, key, default=None):
+    if obj is None:
+        return default
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    getter = getattr(obj, "get", None)
+    if getter is not None:
+        try:
+            return getter(key, default)
+        except Exception:
+            pass
+    return getattr(obj, key, default)
+
+
+def _plain(obj):
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(obj, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(obj, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(obj) if obj is not None and not isinstance(obj, dict) and hasattr(obj, "items") else obj
+
+
+def engine_args_from_rollout(config, model_config, settings: KVTierRolloutSettings, *, seed: int,
+                             sleep_supported: bool) -> dict[str, Any]:
+    """vLLM `AsyncEngineArgs` keyword arguments (model path included) for one server."""
+    from kvtier.engine.api import engine_kwargs
+
+    args: dict[str, Any] = {
+        "model": model_config.local_path,
+        "tokenizer": getattr(model_config, "local_tokenizer_path", None) or model_config.local_path,
+        "dtype": config.dtype,
+        "load_format": config.load_format,
+        "trust_remote_code": bool(getattr(model_config, "trust_remote_code", False)),
+        "max_model_len": config.max_model_len,
+        "max_num_seqs": config.max_num_seqs,
+        "enable_chunked_prefill": config.enable_chunked_prefill,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "enforce_eager": config.enforce_eager,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "disable_log_stats": config.disable_log_stats,
+        "tensor_parallel_size": config.tensor_model_parallel_size,
+        "seed": seed,
+        "logprobs_mode": config.logprobs_mode,
+        "scheduling_policy": config.scheduling_policy,
+        "enable_sleep_mode": bool(config.enable_sleep_mode and sleep_supported),
+        "worker_extension_cls": WORKER_EXTENSION,
+        # one device: run the worker inside the engine-core process (no extra worker process to spawn)
+        "distributed_executor_backend": "uni" if config.tensor_model_parallel_size == 1 else "mp",
+    }
+    if config.enable_prefix_caching:
+        logger.info("kvtier rollout: prefix caching is turned off (compaction rewrites KV block contents)")
+    if config.enable_sleep_mode and not sleep_supported:
+        logger.info("kvtier rollout: vLLM sleep mode is not available on this platform (CPU); sleep/wake are no-ops")
+    extra = _plain(_get(_get(config, "engine_kwargs", {}) or {}, ENGINE_KWARGS_KEY, {})) or {}
+    args.update({k: v for k, v in extra.items() if v is not None})
+    args = {k: v for k, v in args.items() if v is not None}
+    args.pop("enable_prefix_caching", None)
+    return engine_kwargs(eviction=settings.eviction, kv_cache_bytes=settings.kv_cache_bytes, **args)
+
+
+def split_request_params(sampling_params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Move `kvtier_*` keys out of verl's sampling-params dict into vLLM `extra_args`.
+
+    Returns (sampling params without kvtier keys, extra_args)."""
+    sp = dict(sampling_params)
+    extra = dict(sp.pop("extra_args", None) or {})
+    for key in [k for k in sp if k.startswith("kvtier_")]:
+        extra[key] = sp.pop(key)
+    unknown = [k for k in extra if k.startswith("kvtier_") and k not in REQUEST_KEYS]
+    if unknown:
+        raise EvictionConfigError(f"unknown kvtier request parameter(s) {unknown}; accepted: {sorted(REQUEST_KEYS)}")
+    if "kvtier_budget" in extra and extra["kvtier_budget"] is None:
+        extra["kvtier_budget"] = "full"   # explicit None = full attention (None values are dropped downstream)
+    return sp, extra

@@ -1,0 +1,53 @@
+"""Registers the `kvtier` rollout backend with verl 0.9.1 — importing this module is the registration.
+
+verl looks backends up by `actor_rollout_ref.rollout.name` in two process-local registries:
+
+* `verl.workers.rollout.replica.RolloutReplicaRegistry` — the replica class (server side), used by
+  `LLMServerManager` in the trainer/driver process to launch the rollout servers;
+* `verl.workers.rollout.base._ROLLOUT_REGISTRY[(name, "async")]` — the worker-side adapter (a
+  `BaseRollout`), used inside the trainer's Ray workers (`engine_workers.ActorRolloutRefWorker`,
+  `checkpoint_engine.CheckpointEngineWorker`) to push weights and sleep/wake the servers.
+
+Both are plain dicts filled at import time, so the registration has to run in *every* Ray worker
+process that resolves the name. Ways to get it there (any one is enough):
+
+1. `VERL_USE_EXTERNAL_MODULES=kvtier.rollout.verl_plugin` in the environment of every Ray worker:
+   verl's `__init__` imports the listed modules (put it in
+   `ray_kwargs.ray_init.runtime_env.env_vars`, as `configs/rollout/kvtier_grpo.yaml` does, and export it
+   in the driver's shell);
+2. a `verl.plugins` entry point (`kvtier = "kvtier.rollout.verl_plugin"`), which verl's `__init__` loads in
+   every process that imports verl (needs the entry point in kvtier's packaging);
+3. importing any of `kvtier.rollout.{replica,server,adapter}` — each imports this module first, so a
+   process that unpickles one of kvtier's classes is registered too.
+
+`register()` is idempotent; the import runs it once.
+"""
+
+from __future__ import annotations
+
+BACKEND_NAME = "kvtier"
+ADAPTER_FQDN = "kvtier.rollout.adapter.KVTierServerAdapter"
+
+
+def _load_replica():
+    from kvtier.rollout.replica import KVTierReplica
+
+    return KVTierReplica
+
+
+def register(name: str = BACKEND_NAME) -> None:
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    RolloutReplicaRegistry.register(name, _load_replica)
+    base._ROLLOUT_REGISTRY[(name, "async")] = ADAPTER_FQDN
+
+
+def is_registered(name: str = BACKEND_NAME) -> bool:
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    return name in RolloutReplicaRegistry._registry and (name, "async") in base._ROLLOUT_REGISTRY
+
+
+register()

@@ -1,0 +1,333 @@
+"""kvtier's verl 0.9.1 rollout backend on CPU, through verl's own Ray path.
+
+One local Ray cluster and ONE compressed engine for the whole module: verl's `LLMServerManager` builds
+the `kvtier` replica through `RolloutReplicaRegistry` (rollout.name=kvtier), the replica launches a
+`KVTierServer` actor (vLLM 0.31 AsyncLLM + kvtier eviction), and verl's `AgentLoopManager` runs the
+single-turn agent loop against it: DataProto in, DataProto out. A stock vLLM reference (kvtier plugin
+not loaded) runs in a subprocess before the kvtier engine starts (Ray comes up meanwhile), so only one
+engine is alive at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("verl")
+ray = pytest.importorskip("ray")
+
+from engine_helpers import records_for  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+BUDGET, BUFFER = 64, 16
+PROMPT_LEN, RESPONSE_LEN = 64, 160
+GREEDY_TOKENS = 80
+_rng = random.Random(6)
+# token-id prompts (the tiny vocabulary's ordinary tokens start after the 3 specials)
+ID_PROMPTS = [[_rng.randrange(3, 3000) for _ in range(n)] for n in (24, 41, 57)]
+CHAT_PROMPTS = [
+    "Let x = 42. What is x times seven? Think step by step.",
+    "A train leaves at noon at sixty miles per hour; another leaves an hour later at eighty. When do they meet?",
+    "Prove that the sum of two even numbers is even.",
+    "Count from one to ten.",
+]
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+def _stock_vllm_process(model_dir: str) -> subprocess.Popen:
+    """Greedy continuations from stock vLLM (VLLM_PLUGINS=none: kvtier not loaded), one request at a time."""
+    script = (
+        "import json\nfrom vllm import LLM, SamplingParams\n"
+        f"llm=LLM(model={model_dir!r}, kv_cache_memory_bytes=32<<20, max_model_len=1024, max_num_seqs=16,"
+        " enforce_eager=True, dtype='bfloat16', enable_prefix_caching=False)\n"
+        f"sp=SamplingParams(max_tokens={GREEDY_TOKENS}, temperature=0, ignore_eos=True)\n"
+        f"out=[list(llm.generate([{{'prompt_token_ids': p}}], sp, use_tqdm=False)[0].outputs[0].token_ids) for p in {ID_PROMPTS!r}]\n"
+        "print('RESULT'+json.dumps(out))\n")
+    env = {**os.environ, "VLLM_PLUGINS": "none", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_model_dir, tmp_path_factory):
+    """The stock reference runs first (its engine is gone before kvtier's starts); Ray starts meanwhile."""
+    from kvtier.rollout.local import LocalRollout, init_local_ray
+    from kvtier.rollout.verl_config import compose_config, cpu_rollout_overrides
+
+    t0 = time.perf_counter()
+    stock = _stock_vllm_process(tiny_model_dir)
+    try:
+        audit = str(tmp_path_factory.mktemp("rollout_audit") / "keep.jsonl")
+        config = compose_config(cpu_rollout_overrides(
+            tiny_model_dir, budget=BUDGET, buffer=BUFFER, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
+            kv_cache_bytes=32 << 20, audit_log=audit, seed=0, max_model_len=2048))
+        if ray.is_initialized():  # a leftover from an earlier module; this module needs its runtime env
+            ray.shutdown()
+        started = init_local_ray(num_cpus=2)
+        t_ray = time.perf_counter()
+        out, err = stock.communicate(timeout=600)
+    finally:
+        if stock.poll() is None:
+            stock.kill()
+            stock.wait()
+    line = next((l for l in out.splitlines() if l.startswith("RESULT")), None)
+    assert line is not None, err[-3000:]
+    t_stock = time.perf_counter()
+    local = None
+    try:
+        local = LocalRollout(config)
+        local.audit_log = audit
+        local.stock_greedy = json.loads(line[len("RESULT"):])
+        print(f"\n[test_rollout] ray {t_ray - t0:.1f}s, stock vLLM reference done at {t_stock - t0:.1f}s, "
+              f"verl servers + agent loop at {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        yield local
+    finally:
+        if local is not None:
+            local.close()
+        if started:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replay(tiny_model_dir):
+    from kvtier.models.reference import MaskedReplay
+
+    return MaskedReplay(tiny_model_dir)
+
+
+def generate(rollout, prompt_ids, **sampling):
+    return ray.get(rollout.server.generate.remote(prompt_ids=prompt_ids, sampling_params=sampling,
+                                                  request_id=f"t{random.getrandbits(48):x}"))
+
+
+def unpadded(out, i):
+    """(prompt ids, response ids) of sample i of verl's padded output batch."""
+    b = out.batch
+    plen = b["prompts"].shape[1]
+    prompt = b["prompts"][i][b["attention_mask"][i, :plen].bool()].tolist()
+    n = int(b["response_mask"][i].sum())
+    return prompt, b["responses"][i, :n].tolist()
+
+
+# -- tests ----------------------------------------------------------------------------------------
+def test_rollout_config_to_engine_arguments_and_request_overrides(tiny_model_dir):
+    """No engine: rollout.custom.kvtier / engine_kwargs.kvtier -> vLLM engine arguments; kvtier_* keys in
+    verl's sampling params -> SamplingParams.extra_args; typos are errors."""
+    from types import SimpleNamespace
+
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from kvtier.engine.config import EvictionConfigError
+    from kvtier.rollout.settings import KVTierRolloutSettings, engine_args_from_rollout, split_request_params
+    from kvtier.rollout.verl_config import compose_config, cpu_rollout_overrides
+
+    cfg = compose_config(cpu_rollout_overrides(tiny_model_dir, budget=128, buffer=32, policy="recency")
+                         + ["++actor_rollout_ref.rollout.engine_kwargs.kvtier.max_num_seqs=3",
+                            "actor_rollout_ref.rollout.enable_prefix_caching=true"])
+    rc = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    settings = KVTierRolloutSettings.from_rollout_config(rc)
+    assert settings.eviction.default.budget == 128 and settings.eviction.default.policy == "recency"
+    args = engine_args_from_rollout(rc, SimpleNamespace(local_path=tiny_model_dir, trust_remote_code=False),
+                                    settings, seed=0, sleep_supported=False)
+    assert args["model"] == tiny_model_dir and args["enable_prefix_caching"] is False
+    assert args["additional_config"]["kvtier"]["default"]["budget"] == 128
+    assert args["kv_cache_memory_bytes"] == 64 << 20 and args["max_num_seqs"] == 3
+    assert args["worker_extension_cls"] == "kvtier.rollout.worker_ext.KVTierWorkerExtension"
+    assert args["enable_sleep_mode"] is False and args["distributed_executor_backend"] == "uni"
+
+    sp, extra = split_request_params({"temperature": 0, "kvtier_budget": None, "kvtier_policy": "random"})
+    assert sp == {"temperature": 0} and extra == {"kvtier_budget": "full", "kvtier_policy": "random"}
+    with pytest.raises(EvictionConfigError, match="unknown kvtier request parameter"):
+        split_request_params({"kvtier_bugdet": 64})
+    with pytest.raises(EvictionConfigError, match="unknown key"):
+        KVTierRolloutSettings.from_custom({"kvtier": {"budegt": 64}})
+
+
+def test_backend_selected_by_rollout_name_and_registered_in_ray_workers(rollout):
+    from verl.workers.rollout.base import get_rollout_class
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    from kvtier.rollout.adapter import KVTierServerAdapter
+    from kvtier.rollout.local import registration_state
+    from kvtier.rollout.replica import KVTierReplica
+
+    cfg = rollout.config
+    assert cfg.actor_rollout_ref.rollout.name == "kvtier"
+    assert get_rollout_replica_class("kvtier") is KVTierReplica
+    assert get_rollout_class("kvtier", "async") is KVTierServerAdapter
+    assert all(isinstance(r, KVTierReplica) for r in rollout.replicas)
+    # A Ray worker that never imported kvtier (verl's agent-loop worker) got the registration from
+    # VERL_USE_EXTERNAL_MODULES through verl's own __init__.
+    worker = rollout.agent.agent_loop_workers[0]
+    state = ray.get(worker.__ray_call__.remote(registration_state))
+    assert state == {"plugin_imported": True, "replica": True, "adapter": True}, state
+    # The config that ships turns on rollout log-probs and token-level truncated IS.
+    assert cfg.actor_rollout_ref.rollout.calculate_log_probs is True
+    rc = cfg.algorithm.rollout_correction
+    assert rc.rollout_is == "token" and float(rc.rollout_is_threshold) == 2.0 and rc.bypass_mode is False
+
+
+def test_agent_loop_batch_responses_logprobs_and_eviction_stats(rollout, replay):
+    """DataProto through verl's agent loop: responses, a log-prob per response token that equals a
+    masked-attention replay of the engine's logged keep-sets, and per-sample eviction columns."""
+    from kvtier.rollout.local import chat_batch
+    from kvtier.rollout.metrics import eviction_metrics
+
+    out = rollout.generate_sequences(chat_batch(CHAT_PROMPTS))
+    b, nt = out.batch, out.non_tensor_batch
+    n = len(CHAT_PROMPTS)
+    assert b["responses"].shape == (n, RESPONSE_LEN)
+    assert b["rollout_log_probs"].shape == b["responses"].shape
+    block_size = ray.get(rollout.server.engine_info.remote())["block_size"]
+    lengths = []
+    for i in range(n):
+        prompt, response = unpadded(out, i)
+        total = len(prompt) + len(response)
+        lengths.append(total)
+        # sampling may stop at an EOS (rare with the tiny model); otherwise exactly response_length tokens
+        assert 0 < len(response) <= RESPONSE_LEN
+        assert len(response) == RESPONSE_LEN or response[-1] in (0, 2)
+        # one log-prob per response token, zeros on the padding
+        lp = b["rollout_log_probs"][i]
+        assert torch.isfinite(lp).all() and (lp[: len(response)] < 0).all() and (lp[len(response):] == 0).all()
+        assert nt["kvtier_budget"][i] == BUDGET and nt["kvtier_preemptions"][i] == 0
+        events, evicted = nt["kvtier_eviction_events"][i], nt["kvtier_tokens_evicted"][i]
+        if total > BUDGET + 2 * BUFFER:      # long sample: rounds ran, tokens were evicted
+            assert events > 0 and evicted > 0
+            # each round cuts every head back to K + r entries: evicted <= (length at last round) - (K + r)
+            assert evicted <= total - (BUDGET + BUFFER)
+        elif total <= BUDGET + BUFFER:       # never exceeded K + r: nothing to evict
+            assert events == 0 and evicted == 0
+        # the cache stayed bounded by max(prompt, K + 2r) entries
+        bound = -(-max(len(prompt), BUDGET + 2 * BUFFER) // block_size)
+        assert 0 < nt["kvtier_peak_kv_blocks"][i] <= bound
+    assert max(lengths) > BUDGET + 2 * BUFFER
+    metrics = eviction_metrics(out)
+    assert metrics["rollout/kvtier/compressed_fraction"] == 1.0
+    assert metrics["rollout/kvtier/eviction_events/mean"] > 0
+    assert out.meta_info["timing"]["agent_loop/num_preempted/max"] == 0
+
+    # The returned log-probs are the engine's sampling log-probs under eviction (temperature 1, no top-k/p:
+    # processed log-probs equal the model's): replay two of the longest samples.
+    for i in sorted(range(n), key=lambda j: -lengths[j])[:2]:
+        prompt, response = unpadded(out, i)
+        recs = records_for(rollout.audit_log, nt["kvtier_request_id"][i])
+        assert len([r for r in recs if "kept" in r]) == nt["kvtier_eviction_events"][i] > 0
+        ref = replay.logprobs(prompt + response, len(prompt), recs, BUFFER)
+        eng = b["rollout_log_probs"][i, : len(response)]
+        err = (eng - ref).abs().max()
+        assert err < 0.06, f"sample {i}: max |returned - masked reference| = {err:.4f}"
+        control = (eng - replay.logprobs(prompt + response, len(prompt), [], BUFFER)).abs().max()
+        assert control > 0.3, "eviction did not change attention; the comparison proves nothing"
+
+
+def test_budget_at_least_length_matches_plain_vllm_token_for_token(rollout):
+    """Through the server's verl `generate`: K >= length (no round can run) and full attention both give
+    stock vLLM's greedy tokens; a sample shorter than K + r under the default budget is never evicted."""
+    for prompt, stock in zip(ID_PROMPTS, rollout.stock_greedy):
+        big = generate(rollout, prompt, temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=True,
+                       kvtier_budget=4096)
+        assert big.token_ids == stock
+        assert big.stop_reason == "completed" and len(big.log_probs) == GREEDY_TOKENS
+        assert big.extra_fields["kvtier_budget"] == 4096 and big.extra_fields["kvtier_eviction_events"] == 0
+        full = generate(rollout, prompt, temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True,
+                        kvtier_budget=None)
+        assert full.token_ids == stock
+        assert full.extra_fields["kvtier_budget"] is None and full.num_preempted is None
+    short = generate(rollout, ID_PROMPTS[0], temperature=0, max_tokens=BUDGET + BUFFER - len(ID_PROMPTS[0]))
+    assert short.extra_fields["kvtier_budget"] == BUDGET
+    assert short.extra_fields["kvtier_eviction_events"] == 0 and short.extra_fields["kvtier_tokens_evicted"] == 0
+
+
+def test_sleep_wake_abort_resume_keep_serving(rollout):
+    """Replica-level controls verl calls: sleep/wake (no-ops on CPU: vLLM has no sleep mode there),
+    abort_all_requests (partial rollout / weight sync) and resume_generation."""
+    replica = rollout.replicas[0]
+    asyncio.run(replica.sleep())
+    asyncio.run(replica.wake_up())
+    long_tokens = 1800
+    pending = rollout.server.generate.remote(prompt_ids=ID_PROMPTS[1], sampling_params={"max_tokens": long_tokens,
+                                             "ignore_eos": True}, request_id="long-abort")
+    deadline = time.monotonic() + 120
+    while ray.get(rollout.server.num_unfinished_requests.remote()) == 0:
+        assert time.monotonic() < deadline, "the long request never reached the engine"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    try:
+        result = asyncio.run(replica.abort_all_requests())
+        assert result["aborted_count"] >= 1
+        out = ray.get(pending, timeout=120)
+        assert out.stop_reason == "aborted" and len(out.token_ids) < long_tokens
+    finally:
+        asyncio.run(replica.resume_generation())
+    again = generate(rollout, ID_PROMPTS[0], temperature=0, max_tokens=8)
+    assert len(again.token_ids) == 8 and again.stop_reason == "completed"
+
+
+def _perturbed_state_dict(model, seed: int) -> dict[str, torch.Tensor]:
+    """New weights for the same architecture, rounded to bf16 so the engine holds exactly these values."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.state_dict().items():
+        t = p.detach().clone().float()
+        if t.dim() == 2:
+            live = (t != 0).any(dim=1, keepdim=True)  # keep the zeroed special-token rows of lm_head zero
+            t = t + torch.randn(t.shape, generator=g) * t.std() * live
+        out[name] = t.to(torch.bfloat16).float()
+    return out
+
+
+def _ref_logprobs(model, ids: list[int], prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    rows = lp[prompt_len - 1 : len(ids) - 1]
+    return rows.gather(1, torch.tensor(ids[prompt_len:]).unsqueeze(1)).squeeze(1), rows.max(dim=1).values
+
+
+def test_weight_update_from_trainer_changes_outputs_to_the_new_weights(rollout, tiny_model_dir):
+    """verl's worker-side adapter (get_rollout_class('kvtier')) pushes a state dict; the running engine then
+    decodes as transformers does with the same weights (teacher-forced log-probs within bf16 noise, every
+    greedy token an argmax of the reference), and clearly not as the old weights."""
+    from transformers import AutoModelForCausalLM
+    from verl.workers.rollout.base import get_rollout_class
+
+    old_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    new_sd = _perturbed_state_dict(old_model, seed=1)
+    new_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    new_model.load_state_dict(new_sd)
+
+    cfg = rollout.config.actor_rollout_ref
+    adapter = get_rollout_class(cfg.rollout.name, cfg.rollout.mode)(config=cfg.rollout, model_config=cfg.model,
+                                                                   device_mesh=None)
+    adapter.bucket_bytes = 4 << 20  # several buckets: layers straddle bucket boundaries
+    prompt = ID_PROMPTS[2]
+    n = 24
+    before = generate(rollout, prompt, temperature=0, max_tokens=n, ignore_eos=True, logprobs=True, kvtier_budget=None)
+
+    report = asyncio.run(adapter.update_weights(iter(new_sd.items()), global_steps=3))
+    assert report["missing"] == [], report
+    after = generate(rollout, prompt, temperature=0, max_tokens=n, ignore_eos=True, logprobs=True, kvtier_budget=None)
+    assert after.extra_fields["global_steps"] == 3
+    ids = prompt + after.token_ids
+    ref_lp, ref_max = _ref_logprobs(new_model, ids, len(prompt))
+    eng = torch.tensor(after.log_probs)
+    assert (eng - ref_lp).abs().max() < 0.06, (eng - ref_lp).abs().max()
+    assert (ref_lp >= ref_max - 0.06).all(), "a greedy token is not an argmax under the new weights"
+    old_lp, _ = _ref_logprobs(old_model, ids, len(prompt))
+    assert (eng - old_lp).abs().max() > 0.3, "outputs still follow the old weights"
+    assert after.token_ids != before.token_ids
+
+    # and back: the original weights give the original tokens again
+    asyncio.run(adapter.update_weights(iter(old_model.state_dict().items()), global_steps=4))
+    restored = generate(rollout, prompt, temperature=0, max_tokens=n, ignore_eos=True, kvtier_budget=None)
+    assert restored.token_ids == before.token_ids
