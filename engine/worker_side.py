@@ -385,13 +385,16 @@ class WorkerEviction:
             e = evicted.shape[-1]
             plan = hole_fill_plan(evicted.reshape(L * H, e), op.old_len)
             src, dst = plan.src.view(L, H, e), plan.dst.view(L, H, e)
-            real = dst < op.new_len                                          # drop dead->dead filler pairs
-            heads = torch.arange(H).view(1, H, 1).expand(L, H, e)
+            # Filler pairs (dead tail slot -> dead tail slot) become self-copies of their dead slot: shapes
+            # stay rectangular for every layer at once, and the copy is a no-op.
+            moved = torch.where(dst < op.new_len, src, dst).reshape(-1)
+            heads = torch.arange(H).view(1, H, 1).expand(L, H, e).reshape(-1)
+            flat_dst = dst.reshape(-1)
+            s_off = self.layout.token_offsets(blocks[moved // bs], heads, moved % bs).view(L, -1)
+            d_off = self.layout.token_offsets(blocks[flat_dst // bs], heads, flat_dst % bs).view(L, -1)
             for li in range(L):
-                m = real[li]
-                s, d_, h = src[li][m], dst[li][m], heads[li][m]
-                src_off[li].append(self.layout.token_offsets(blocks[s // bs], h, s % bs))
-                dst_off[li].append(self.layout.token_offsets(blocks[d_ // bs], h, d_ % bs))
+                src_off[li].append(s_off[li])
+                dst_off[li].append(d_off[li])
             # slot map (and H2O's accumulated attention): survivors from the tail take the holes
             pos.scatter_(2, dst, pos.gather(2, src))
             st.positions, st.length = pos[:, :, : op.new_len].contiguous(), op.new_len
@@ -409,7 +412,7 @@ class WorkerEviction:
                                  policy=op.spec.policy, kept=kept.tolist())
         for li in range(L):
             if src_off[li]:
-                s, d_ = torch.cat(src_off[li]).reshape(-1), torch.cat(dst_off[li]).reshape(-1)
+                s, d_ = torch.cat(src_off[li]), torch.cat(dst_off[li])
                 flat = self.flats[li]
                 flat.index_copy_(0, d_, flat.index_select(0, s))
 
