@@ -50,6 +50,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         device: str = typer.Option("cpu", help="cpu or cuda"),
         repeats: int = typer.Option(20),
         policies: Optional[str] = typer.Option(None, help="Comma-separated policy names (default: all registered)."),
+        threads: int = typer.Option(1, help="CPU threads (0 = torch default)."),
     ) -> None:
         """Milliseconds per eviction round for every policy, plus the full-gather compaction floor."""
         from kvtier.benchmarks.rounds import RoundShapes, run_rounds_bench
@@ -57,7 +58,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         shapes = RoundShapes(layers=layers, kv_heads=kv_heads, head_dim=head_dim, budget=budget, buffer=buffer,
                              query_heads=query_heads, prompt_len=prompt_len, batch=batch)
         names = policies.split(",") if policies else None
-        _print_json(run_rounds_bench(shapes, device=device, repeats=repeats, policies=names))
+        _print_json(run_rounds_bench(shapes, device=device, repeats=repeats, policies=names, threads=threads or None))
 
     @bench_app.command("throughput")
     def bench_throughput(

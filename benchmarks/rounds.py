@@ -120,7 +120,10 @@ def _h2o_round(policy, cache: DenseHeadCache, schedule: EvictionSchedule, s: Rou
     cache.evict_round(policy, schedule, s.prompt_len, attention=acc[:, :n_cand].gather(1, order), **extras)
 
 
-def run_rounds_bench(s: RoundShapes, *, device: str = "cpu", repeats: int = 20, policies: list[str] | None = None) -> dict:
+def run_rounds_bench(s: RoundShapes, *, device: str = "cpu", repeats: int = 20, policies: list[str] | None = None,
+                     threads: int | None = 1) -> dict:
+    if threads and device == "cpu":
+        torch.set_num_threads(threads)  # on a shared 2-core machine, 2 threads mostly measure contention
     gen = torch.Generator(device=device).manual_seed(0)
     schedule = EvictionSchedule(budget=s.budget, buffer=s.buffer)
     cache = _fresh_cache(s, device, gen)
@@ -165,6 +168,7 @@ def run_rounds_bench(s: RoundShapes, *, device: str = "cpu", repeats: int = 20, 
 
     return {
         "device": device,
+        "threads": torch.get_num_threads() if device == "cpu" else None,
         "torch": torch.__version__,
         "shapes": asdict(s),
         "repeats": repeats,

@@ -65,7 +65,11 @@ def sample_distinct(rows: int, n: int, k: int, generator: torch.Generator | None
         rank = first.cumsum(dim=1)
         take = first & (rank <= k)
         if bool((rank[:, -1] >= k).all()):
-            return draws[take].view(rows, k).sort(dim=1).values
+            # ascending per row without a sort: mark the chosen values, read them back in order
+            chosen = torch.zeros(rows * n, dtype=torch.bool, device=device)
+            base = torch.arange(rows, device=device).unsqueeze(1) * n
+            chosen[(draws + base)[take]] = True
+            return chosen.view(rows, n).nonzero()[:, 1].view(rows, k)
     scores = torch.rand(rows, n, generator=generator, device=device)
     return scores.topk(k, dim=1, largest=False).indices.sort(dim=1).values
 
