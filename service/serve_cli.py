@@ -1,9 +1,69 @@
-"""`kvtier serve` commands (not implemented yet)."""
+"""`kvtier serve [--config configs/local.yaml]`: start Ray and the service, print a ready line and an
+example request, and shut everything down on Ctrl-C."""
 
 from __future__ import annotations
+
+import json
+import shlex
+import signal
+import threading
+from pathlib import Path
+from typing import Optional
 
 import typer
 
 
+def example_request(url: str, model: str, api_key: str | None = None) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "Think step by step: what is 6 x 7?"}],
+            "max_tokens": 32}
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    return (f"curl -s -i {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d {shlex.quote(json.dumps(body))}")
+
+
+def serve_command(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Service YAML (default: configs/local.yaml)."),
+    host: Optional[str] = typer.Option(None, help="Override server.host."),
+    port: Optional[int] = typer.Option(None, help="Override server.port."),
+) -> None:
+    """Serve the OpenAI-compatible API with KV-memory tiers on Ray Serve."""
+    from .config import DEFAULT_CONFIG, ConfigError, load_config
+    from .launch import start, stop
+
+    path = config or DEFAULT_CONFIG
+    try:
+        cfg = load_config(path)
+    except ConfigError as exc:
+        typer.echo(f"kvtier serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"kvtier serve: config {path}")
+    for t in cfg.tiers:
+        budget = "full attention" if not t.compressed else f"K={t.budget} r={t.buffer} policy={t.policy}"
+        typer.echo(f"  tier {t.name:<12} engine {t.engine:<10} {budget}{'' if t.auto else ' (explicit only)'}")
+    if cfg.open_mode:
+        typer.echo("kvtier serve: OPEN MODE - no API keys configured; anyone who can reach the port may use every tier")
+    stop_event = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+    running = None
+    try:
+        typer.echo("kvtier serve: starting Ray and the engines (about a minute on CPU) ...")
+        running = start(cfg, host=host, port=port)
+        typer.echo(f"kvtier serve: READY at {running.url} (models: {', '.join(cfg.model_ids)}) "
+                   f"after {running.seconds:.0f} s. Ctrl-C to stop.")
+        key = None
+        if not cfg.open_mode:
+            key = "$KVTIER_API_KEY"
+        typer.echo("Example request:\n  " + example_request(running.url, cfg.model_ids[0], key))
+        while not stop_event.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        typer.echo("kvtier serve: shutting down ...")
+        stop(running)
+        typer.echo("kvtier serve: stopped")
+
+
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     """Add this module's commands to the `kvtier` CLI."""
+    app.command("serve")(serve_command)

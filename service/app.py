@@ -1,0 +1,78 @@
+"""Building the Ray Serve application from a ServiceConfig: one LLMServer deployment per engine (Ray
+Serve LLM, compressed vLLM engine) and the router ingress bound to their handles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import TINY_MODEL, EngineConfig, ServiceConfig
+from .worker_ext import QUALNAME as WORKER_EXTENSION
+
+ENGINE_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+# Only for a Ray cluster kvtier starts itself (launch.py): token auth stays on for shared clusters (KubeRay).
+LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+
+
+def deployment_name(engine: str) -> str:
+    return f"engine-{engine}"
+
+
+def resolve_model_path(model: str) -> str:
+    if model == TINY_MODEL:
+        from kvtier.models.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return model
+
+
+def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, local_ray: bool = False):
+    from ray.serve.llm import LLMConfig
+
+    from kvtier.engine.api import engine_kwargs
+
+    kwargs = engine_kwargs(eviction=eng.eviction, kv_cache_bytes=eng.kv_cache_bytes, max_model_len=eng.max_model_len,
+                           worker_extension_cls=WORKER_EXTENSION, **eng.engine_kwargs)
+    env = {**ENGINE_ENV, **(LOCAL_RAY_ENV if local_ray else {}), **eng.runtime_env.get("env_vars", {})}
+    extra: dict[str, Any] = {}
+    if eng.accelerator == "cpu":
+        extra["accelerator_config"] = {"kind": "cpu"}
+    elif eng.accelerator_type:
+        extra["accelerator_type"] = eng.accelerator_type
+    deployment = dict(eng.deployment)
+    # The router polls kvtier_load every second: keep those calls out of the replica's access log.
+    deployment.setdefault("logging_config", {"enable_access_log": False})
+    return LLMConfig(
+        model_loading_config={"model_id": model_id, "model_source": model_path},
+        engine_kwargs=kwargs,
+        deployment_config=deployment,
+        callback_config={"callback_class": "kvtier.service.engine_server.LocalModelCallback"},
+        runtime_env={**eng.runtime_env, "env_vars": env},
+        log_engine_metrics=True,
+        **extra,
+    )
+
+
+def build_app(args: dict[str, Any]):
+    """Ray Serve application builder (`import_path: kvtier.service.app:build_app`, e.g. KubeRay's
+    serveConfigV2): `args` is a service config, validated by the same model `kvtier serve` uses."""
+    from .config import parse_config
+
+    return build_application(parse_config(args, "serveConfigV2"))[0]
+
+
+def build_application(cfg: ServiceConfig, local_ray: bool = False):
+    """The Serve application (router ingress + engine deployments) and the resolved model paths."""
+    from ray.serve.llm import build_llm_deployment
+
+    from .engine_server import KVTierLLMServer
+    from .router import KVTierRouter
+
+    model_paths = {name: resolve_model_path(eng.model) for name, eng in cfg.engines.items()}
+    engines = {
+        name: build_llm_deployment(llm_config(name, eng, cfg.model_id(name), model_paths[name], local_ray),
+                                   deployment_cls=KVTierLLMServer,
+                                   override_serve_options={"name": deployment_name(name)})
+        for name, eng in cfg.engines.items()
+    }
+    router = KVTierRouter.options(num_replicas=cfg.server.router_replicas)
+    return router.bind(cfg.model_dump(mode="json"), engines, model_paths), model_paths

@@ -1,0 +1,237 @@
+"""The service configuration (YAML, validated by pydantic): engine deployments, tiers, tenants, routing.
+
+One engine deployment hosts one compressed vLLM engine per replica; several tiers may share it (the
+budget travels with each request as `vllm_xargs`), or a tier may have an engine of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvtier.engine.config import EngineEvictionConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
+TINY_MODEL = "tiny"  # engines.<name>.model: build/use the deterministic tiny Qwen3 (kvtier.models.tiny)
+FULL = "full"
+
+
+class ConfigError(ValueError):
+    """A service configuration that cannot be served; the message names the field."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PressureConfig(_Model):
+    """When an engine counts as under KV pressure (either threshold reached)."""
+
+    kv_usage: float = Field(default=0.9, gt=0, le=1)   # share of the engine's KV pool in use
+    queue_depth: int = Field(default=8, ge=0)          # requests waiting in the engine's scheduler
+
+
+class EngineConfig(_Model):
+    """One engine deployment: a model, its vLLM arguments, kvtier defaults and Serve options."""
+
+    model: str = TINY_MODEL                         # local path, HF id, or "tiny"
+    model_id: str | None = None                     # public name in /v1/models (default: the engine name)
+    accelerator: Literal["cpu", "gpu"] = "cpu"
+    accelerator_type: str | None = None             # e.g. "H100" (GPU only)
+    max_model_len: int = Field(gt=0)
+    kv_cache_bytes: int | None = Field(default=None, gt=0)  # None: vLLM's default sizing
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    eviction: EngineEvictionConfig = Field(default_factory=EngineEvictionConfig)
+    # Ray Serve options: num_replicas or autoscaling_config, ray_actor_options (e.g. resources to pin
+    # engines to nodes), max_ongoing_requests, health_check_period_s ...
+    deployment: dict[str, Any] = Field(default_factory=lambda: {"num_replicas": 1})
+    pressure: PressureConfig = Field(default_factory=PressureConfig)
+    runtime_env: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("kv_cache_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, v):
+        return parse_bytes(v) if isinstance(v, str) else v
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _no_managed_keys(cls, v):
+        managed = {"model", "max_model_len", "additional_config", "enable_prefix_caching", "kv_cache_memory_bytes"}
+        if bad := sorted(managed & set(v)):
+            raise ValueError(f"set {bad} through the engine's own fields (model, max_model_len, eviction, "
+                             "kv_cache_bytes); prefix caching is always off on compressed engines")
+        return v
+
+
+class TierConfig(_Model):
+    """A memory tier: a KV budget (or full attention) and a policy, served by one engine deployment."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    engine: str
+    budget: int | Literal["full"] = FULL
+    policy: str = "random"
+    buffer: int = Field(default=64, gt=0)          # r: recent positions never evicted, rounds every r steps
+    protect_prompt: bool | None = None
+    sinks: int | None = Field(default=None, ge=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+    auto: bool = True                               # the router may pick it; False: explicit requests only
+    tenants: list[str] | Literal["*"] = "*"         # who may use it (tenant names), "*" = everyone
+    description: str = ""
+
+    @field_validator("budget")
+    @classmethod
+    def _budget(cls, v):
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("budget must be a positive number of KV entries per head, or 'full'")
+        return v
+
+    @property
+    def compressed(self) -> bool:
+        return self.budget != FULL
+
+    def extra_args(self) -> dict[str, Any]:
+        """`vllm_xargs` for requests of this tier (OpenAI vllm_xargs carry str/int/float only)."""
+        import json
+
+        if not self.compressed:
+            return {"kvtier_budget": FULL}
+        out: dict[str, Any] = {"kvtier_budget": self.budget, "kvtier_policy": self.policy, "kvtier_buffer": self.buffer}
+        if self.protect_prompt is not None:
+            out["kvtier_protect_prompt"] = int(self.protect_prompt)
+        if self.sinks is not None:
+            out["kvtier_sinks"] = self.sinks
+        if self.params:
+            out["kvtier_params"] = json.dumps(self.params, sort_keys=True)
+        return out
+
+
+class TenantConfig(_Model):
+    """API keys (bearer tokens) of one tenant and the tiers it may use."""
+
+    api_keys: list[str] = Field(default_factory=list)
+    api_keys_env: str | None = None                 # env var holding comma-separated keys
+    tiers: list[str] | Literal["*"] = "*"
+
+    def keys(self) -> list[str]:
+        keys = list(self.api_keys)
+        if self.api_keys_env:
+            keys += [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()]
+        return keys
+
+
+class RoutingConfig(_Model):
+    # A compressed tier fits a prompt only if it leaves at least this share of K for the trace
+    # (paper §4.2: code prompts use up to half of K=3072).
+    min_trace_share: float = Field(default=0.5, ge=0, lt=1)
+    # Under KV pressure: "fallback" to the next smaller-budget tier that fits (queue if none),
+    # or "queue" (send to the chosen tier anyway and let the engine queue it).
+    on_pressure: Literal["fallback", "queue"] = "fallback"
+    tier_header: str = "x-kvtier-tier"
+    reason_header: str = "x-kvtier-reason"
+
+
+class ServerConfig(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    app_name: str = "kvtier"
+    ray_address: str | None = None                  # None: start a local Ray; "auto" or host:port: join
+    num_cpus: int | None = None                     # local Ray only
+    # Serve HTTP proxies: HeadOnly (one port on the head node) or EveryNode (a proxy per node).
+    proxy_location: Literal["HeadOnly", "EveryNode"] = "HeadOnly"
+    load_poll_s: float = Field(default=1.0, gt=0)   # how often the router reads engine load
+    request_timeout_s: float = Field(default=600, gt=0)
+    router_replicas: int = Field(default=1, ge=1)
+
+
+class ServiceConfig(_Model):
+    engines: dict[str, EngineConfig]
+    tiers: list[TierConfig]
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _cross_check(self):
+        if not self.engines:
+            raise ValueError("engines: at least one engine deployment is required")
+        if not self.tiers:
+            raise ValueError("tiers: at least one tier is required")
+        names = [t.name for t in self.tiers]
+        if dup := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"tiers: duplicate names {dup}")
+        for t in self.tiers:
+            if t.engine not in self.engines:
+                raise ValueError(f"tier {t.name!r}: unknown engine {t.engine!r} (engines: {sorted(self.engines)})")
+            if t.tenants != "*" and (bad := sorted(set(t.tenants) - set(self.tenants))):
+                raise ValueError(f"tier {t.name!r}: unknown tenants {bad}")
+            if t.compressed and t.budget >= self.engines[t.engine].max_model_len:
+                raise ValueError(f"tier {t.name!r}: budget {t.budget} is not below the engine's max_model_len")
+        for name, tenant in self.tenants.items():
+            if tenant.tiers != "*" and (bad := sorted(set(tenant.tiers) - set(names))):
+                raise ValueError(f"tenant {name!r}: unknown tiers {bad}")
+        seen: dict[str, str] = {}
+        for name, tenant in self.tenants.items():
+            for key in tenant.api_keys:
+                if key in seen:
+                    raise ValueError(f"tenants {seen[key]!r} and {name!r} share an API key")
+                seen[key] = name
+        return self
+
+    # -- derived views ---------------------------------------------------------------------------
+    def model_id(self, engine: str) -> str:
+        return self.engines[engine].model_id or engine
+
+    @property
+    def model_ids(self) -> list[str]:
+        return sorted({self.model_id(e) for e in self.engines})
+
+    def tier(self, name: str) -> TierConfig | None:
+        return next((t for t in self.tiers if t.name == name), None)
+
+    @property
+    def open_mode(self) -> bool:
+        """No API key configured anywhere: every caller is the anonymous tenant with every tier."""
+        return not any(t.keys() for t in self.tenants.values())
+
+
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+
+
+def parse_bytes(v: str) -> int:
+    """'64MiB' -> 67108864, '1G' -> 10**9, '4096' -> 4096."""
+    m = _BYTES.match(v)
+    if not m:
+        raise ValueError(f"not a byte size: {v!r} (e.g. 64MiB, 2GiB, 1000000)")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _fmt(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
+
+
+def parse_config(data: dict[str, Any], source: str = "<config>") -> ServiceConfig:
+    try:
+        return ServiceConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_fmt(exc)}") from None
+
+
+def load_config(path: str | Path | None = None) -> ServiceConfig:
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return parse_config(data, str(path))

@@ -1,0 +1,152 @@
+"""The engine deployment: Ray Serve LLM's `LLMServer` hosting a compressed vLLM `AsyncLLM`.
+
+Additions to the stock server:
+- `kvtier_generate(kind, body)`: completions/chat from a plain JSON body, answering plain JSON/SSE (the
+  router never imports vLLM); vLLM's and kvtier's input errors become 400 bodies.
+- `kvtier_load()`: the scheduler's latest load (running / waiting requests, KV pool usage and free blocks),
+  captured by a stat logger attached to the engine; the router polls it for the KV-pressure rule.
+- `kvtier_eviction_stats()`: the kvtier eviction counters from the worker (via `worker_ext`).
+The engine is warmed up with a 16-token prompt before it serves (see kvtier.engine.api.WARMUP_PROMPT_TOKENS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, AsyncIterator
+
+from pydantic import ValidationError
+from vllm.exceptions import VLLMClientError
+
+from ray.llm._internal.common.callbacks.base import CallbackBase
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
+
+from kvtier.engine.api import WARMUP_PROMPT_TOKENS
+
+
+class LocalModelCallback(CallbackBase):
+    """Skip Ray Serve LLM's per-node model download task when the model is a local directory (it would
+    start a Ray worker per node just to find the files already there)."""
+
+    async def on_before_node_init(self) -> None:
+        source = self.llm_config.model_loading_config.model_source
+        if isinstance(source, str) and os.path.isdir(source):
+            self.ctx.run_init_node = False
+
+
+class LoadTracker:
+    """A vLLM stat logger that keeps the latest scheduler stats (vLLM sends them after every engine step,
+    including the step that follows an abort, so an idle engine reports its idle pool)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.updated_at = 0.0
+        self.steps = 0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if scheduler_stats is None:
+            return
+        self.running = scheduler_stats.num_running_reqs
+        self.waiting = scheduler_stats.num_waiting_reqs + getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
+        self.kv_usage = float(scheduler_stats.kv_cache_usage)
+        self.updated_at = time.time()
+        self.steps += 1
+
+    def log(self) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def record_sleep_state(self, *args, **kwargs) -> None:
+        pass
+
+
+class KVTierVLLMEngine(VLLMEngine):
+    async def start(self) -> None:
+        await super().start()
+        import ray
+
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.load_tracker = LoadTracker()
+        manager = getattr(self._engine_client, "logger_manager", None)
+        if manager is not None:
+            manager.stat_loggers.append(self.load_tracker)
+        await self._warm_up()
+
+    async def _warm_up(self) -> None:
+        from vllm import SamplingParams
+
+        prompt = {"prompt_token_ids": list(range(10, 10 + WARMUP_PROMPT_TOKENS))}
+        async for _ in self._engine_client.generate(prompt, SamplingParams(max_tokens=2, temperature=0),
+                                                     request_id=f"kvtier-warmup-{time.time_ns()}"):
+            pass
+
+    def load(self) -> dict[str, Any]:
+        cache = self._engine_client.vllm_config.cache_config
+        total = max((cache.num_gpu_blocks or 1) - 1, 0)  # the null block is never handed out
+        t = self.load_tracker
+        return {
+            "running": t.running, "waiting": t.waiting, "kv_usage": t.kv_usage,
+            "total_blocks": total, "free_blocks": round((1.0 - t.kv_usage) * total),
+            "block_size": cache.block_size, "updated_at": t.updated_at, "steps": t.steps,
+            "stats_attached": self._engine_client.logger_manager is not None,
+            "errored": bool(getattr(self._engine_client, "errored", False)), "node_id": self.node_id,
+        }
+
+
+class KVTierLLMServer(LLMServer):
+    _default_engine_cls = KVTierVLLMEngine
+
+    async def kvtier_generate(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[str | dict[str, Any]]:
+        """OpenAI completion ("completions") or chat ("chat") from a plain JSON body, yielding only plain
+        data so the router never unpickles vLLM types: SSE text for streams, {"response": body} for a
+        whole response, {"error": {...}} for a rejected request."""
+        from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
+
+        try:
+            if kind == "chat":
+                from ray.llm._internal.serve.core.ingress.utils import _sanitize_chat_completion_request
+
+                request = _sanitize_chat_completion_request(ChatCompletionRequest.model_validate(payload))
+            else:
+                request = CompletionRequest.model_validate(payload)
+        except (ValidationError, ValueError, TypeError, VLLMClientError) as exc:
+            yield {"error": {"message": _validation_message(exc), "type": "invalid_request_error", "code": 400}}
+            return
+        started = False
+        try:
+            stream = await (self.chat(request) if kind == "chat" else self.completions(request))
+            async for item in stream:
+                yield _plain(item)
+                started = True
+        except (ValueError, TypeError, VLLMClientError) as exc:  # vLLM's input checks, incl. kvtier's
+            error = {"message": str(exc) or type(exc).__name__, "type": "invalid_request_error", "code": 400}
+            yield f"data: {json.dumps({'error': error})}\n\n" if started else {"error": error}
+
+    async def kvtier_load(self) -> dict[str, Any]:
+        return self.engine.load()
+
+    async def kvtier_eviction_stats(self, request_ids: list[str] | None = None) -> dict | None:
+        results = await self.engine._engine_client.collective_rpc("kvtier_eviction_stats", args=(request_ids,))
+        return results[0] if results else None
+
+
+def _plain(item: Any) -> str | dict[str, Any]:
+    if isinstance(item, list):  # Ray Serve LLM batches stream chunks
+        return "".join(x if isinstance(x, str) else f"data: {x.model_dump_json()}\n\n" for x in item)
+    if isinstance(item, str):
+        return item
+    if type(item).__name__ == "ErrorResponse":
+        return {"error": item.error.model_dump(mode="json")}
+    return {"response": item.model_dump(mode="json")}
+
+
+def _validation_message(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
+    return str(exc)

@@ -1,0 +1,193 @@
+"""The tier routing rule (pure: no Ray, no vLLM, no I/O).
+
+Given a request's shape (prompt tokens, max_tokens, model, an optional explicit tier), the tiers the
+caller may use and the engines' current load, pick a tier and say why:
+
+1. Explicit tier (body field `tier` or header `x-kvtier-tier`): used if it exists, serves the model and
+   the caller may use it (else 404 / 403). Reason `explicit`. No pressure fallback: the caller insisted.
+2. Otherwise, among the tiers the caller may use that serve the model and are `auto`:
+   - a compressed tier with budget K *fits* when the prompt leaves at least `min_trace_share` of K for
+     the trace (prompt <= (1 - share) * K); every tier needs prompt + max_tokens <= max_model_len;
+   - let C be the cheapest (smallest K) fitting compressed tier. If prompt + max_tokens <= K_C + r_C the
+     request can never trigger an eviction round there, so compression cannot pay: it goes to a full
+     attention tier (reason `short`);
+   - otherwise it goes to C (reason `cheapest-fit`, or `long-prompt` when smaller budgets were skipped
+     because the prompt would crowd out the trace);
+   - no compressed tier fits: full attention (reason `no-compressed-fit`) if allowed, else 400.
+3. KV pressure (auto routing only): if the chosen tier's engine has KV usage or queue depth at its
+   threshold and `on_pressure` is `fallback`, the trace-share preference is dropped: take the
+   largest-budget compressed tier that still holds the prompt (prompt <= K, the engine's own limit),
+   whose KV bound for this request (min(prompt + max_tokens, K + 2r)) is strictly smaller than the
+   chosen tier's, and whose engine is not itself under pressure (the same engine is fine: a smaller
+   budget relieves it); reason `pressure-fallback`. If there is none, or with `on_pressure: queue`, the
+   tier is kept and its engine queues the request (reason `pressure-queued`).
+
+Rejections carry an HTTP status and a stable reason code (also the metrics label).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import EngineConfig, PressureConfig, ServiceConfig, TierConfig
+
+REASONS = ("explicit", "short", "cheapest-fit", "long-prompt", "no-compressed-fit", "pressure-fallback", "pressure-queued")
+
+
+class RouteError(Exception):
+    def __init__(self, status: int, reason: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.param = status, reason, message, param
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    prompt_tokens: int
+    max_tokens: int | None          # None: up to the model length (vLLM's default for chat)
+    model: str | None = None
+    tier: str | None = None         # explicit tier, if any
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    kv_usage: float = 0.0           # 0..1 share of the KV pool in use
+    waiting: int = 0                # requests queued in the scheduler
+    running: int = 0
+
+    def pressured(self, p: PressureConfig) -> bool:
+        return self.kv_usage >= p.kv_usage or self.waiting >= max(p.queue_depth, 1)
+
+
+@dataclass(frozen=True)
+class Decision:
+    tier: TierConfig
+    reason: str
+    detail: str
+    model: str
+    max_tokens: int | None
+
+    @property
+    def engine(self) -> str:
+        return self.tier.engine
+
+
+def _total(req: RequestShape, eng: EngineConfig) -> int:
+    return eng.max_model_len if req.max_tokens is None else req.prompt_tokens + req.max_tokens
+
+
+def kv_bound(tier: TierConfig, req: RequestShape, eng: EngineConfig) -> int:
+    """KV entries per head this request can ever hold in the tier (cache <= max(prompt, K + 2r))."""
+    total = _total(req, eng)
+    if not tier.compressed:
+        return total
+    return min(total, max(req.prompt_tokens, tier.budget + 2 * tier.buffer))
+
+
+def prompt_room(tier: TierConfig, share: float) -> int:
+    """Longest prompt a compressed tier takes under the trace-share rule."""
+    return int((1.0 - share) * tier.budget)
+
+
+def resolve_model(cfg: ServiceConfig, model: str | None) -> str:
+    ids = cfg.model_ids
+    if model is None or model == "":
+        if len(ids) == 1:
+            return ids[0]
+        raise RouteError(400, "model-required", f"`model` is required; served models: {ids}", "model")
+    if model not in ids:
+        raise RouteError(404, "unknown-model", f"model {model!r} is not served here; served models: {ids}", "model")
+    return model
+
+
+def route(cfg: ServiceConfig, req: RequestShape, allowed: set[str] | frozenset[str],
+          loads: dict[str, EngineLoad] | None = None) -> Decision:
+    loads = loads or {}
+    model = resolve_model(cfg, req.model)
+    if req.prompt_tokens < 1:
+        raise RouteError(400, "empty-prompt", "the prompt is empty", "prompt")
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise RouteError(400, "bad-request", "max_tokens must be at least 1", "max_tokens")
+    serving = [t for t in cfg.tiers if cfg.model_id(t.engine) == model]
+
+    def length_error(t: TierConfig) -> RouteError | None:
+        eng = cfg.engines[t.engine]
+        if req.prompt_tokens >= eng.max_model_len:
+            return RouteError(400, "prompt-too-long", f"the prompt has {req.prompt_tokens} tokens; model {model!r} "
+                              f"takes at most {eng.max_model_len - 1}", "prompt")
+        if req.max_tokens is not None and _total(req, eng) > eng.max_model_len:
+            return RouteError(400, "context-too-long", f"prompt ({req.prompt_tokens} tokens) + max_tokens "
+                              f"({req.max_tokens}) exceeds the model length {eng.max_model_len}", "max_tokens")
+        return None
+
+    # 1. explicit tier
+    if req.tier is not None:
+        tier = cfg.tier(req.tier)
+        if tier is None or tier not in serving:
+            names = [t.name for t in serving if t.name in allowed]
+            raise RouteError(404, "unknown-tier", f"tier {req.tier!r} does not exist for model {model!r}; "
+                             f"tiers you may use: {names}", "tier")
+        if tier.name not in allowed:
+            raise RouteError(403, "forbidden-tier", f"tier {req.tier!r} is not allowed for this API key; "
+                             f"allowed: {sorted(allowed & {t.name for t in serving})}", "tier")
+        if (err := length_error(tier)) is not None:
+            raise err
+        return Decision(tier, "explicit", f"tier {tier.name} requested", model, req.max_tokens)
+
+    # 2. automatic
+    usable = [t for t in serving if t.auto and t.name in allowed]
+    if not usable:
+        raise RouteError(403, "no-tier", f"this API key may use no automatic tier for model {model!r}", "model")
+    errors = [length_error(t) for t in usable]
+    if all(errors):
+        raise errors[0]
+    usable = [t for t, err in zip(usable, errors) if err is None]
+    share = cfg.routing.min_trace_share
+    compressed = sorted((t for t in usable if t.compressed), key=lambda t: t.budget)
+    fitting = [t for t in compressed if req.prompt_tokens <= prompt_room(t, share)]
+    full = [t for t in usable if not t.compressed]
+    total = lambda t: _total(req, cfg.engines[t.engine])  # noqa: E731
+
+    if fitting:
+        cheapest = fitting[0]
+        if full and total(full[0]) <= cheapest.budget + cheapest.buffer:
+            decision = Decision(full[0], "short", f"prompt+max_tokens={total(full[0])} <= K+r="
+                                f"{cheapest.budget + cheapest.buffer} of {cheapest.name}: no eviction would run",
+                                model, req.max_tokens)
+        else:
+            skipped = [t.name for t in compressed if t.budget < cheapest.budget]
+            if skipped:
+                decision = Decision(cheapest, "long-prompt", f"prompt={req.prompt_tokens} leaves under "
+                                    f"{share:.0%} of K in {skipped}", model, req.max_tokens)
+            else:
+                decision = Decision(cheapest, "cheapest-fit", f"smallest budget K={cheapest.budget} that leaves "
+                                    f"{share:.0%} of K for the trace", model, req.max_tokens)
+    elif full:
+        decision = Decision(full[0], "no-compressed-fit", f"prompt={req.prompt_tokens} too long for every "
+                            f"compressed tier at min_trace_share={share}", model, req.max_tokens)
+    else:
+        rooms = {t.name: prompt_room(t, share) for t in compressed}
+        raise RouteError(400, "prompt-too-long", f"the prompt has {req.prompt_tokens} tokens; the tiers you may "
+                         f"use take at most {rooms} (each keeps {share:.0%} of its budget for the trace)", "prompt")
+
+    # 3. KV pressure
+    return _under_pressure(cfg, req, decision, compressed, loads)
+
+
+def _under_pressure(cfg: ServiceConfig, req: RequestShape, decision: Decision, compressed: list[TierConfig],
+                    loads: dict[str, EngineLoad]) -> Decision:
+    tier = decision.tier
+    eng = cfg.engines[tier.engine]
+    load = loads.get(tier.engine)
+    if load is None or not load.pressured(eng.pressure):
+        return decision
+    why = f"engine {tier.engine} under KV pressure (usage={load.kv_usage:.2f}, waiting={load.waiting})"
+    if cfg.routing.on_pressure == "fallback":
+        bound = kv_bound(tier, req, eng)
+        for t in sorted(compressed, key=lambda t: -t.budget):
+            other = loads.get(t.engine)
+            if req.prompt_tokens > t.budget or kv_bound(t, req, cfg.engines[t.engine]) >= bound:
+                continue
+            if t.engine != tier.engine and other is not None and other.pressured(cfg.engines[t.engine].pressure):
+                continue
+            return Decision(t, "pressure-fallback", f"{why}: {tier.name} -> {t.name}", decision.model, req.max_tokens)
+    return Decision(tier, "pressure-queued", f"{why}: queued on {tier.name}", decision.model, req.max_tokens)

@@ -1,0 +1,112 @@
+"""Helpers for the service tests: run `kvtier serve` as a subprocess (as `make serve` does), wait for its
+ready line, stop it with Ctrl-C (SIGINT), and find its Ray processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+KVTIER = str(Path(sys.executable).with_name("kvtier"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def service_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_ENABLE_V1_MULTIPROCESSING", "RAY_ADDRESS"))}
+    env.update({"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}, **extra)
+    return env
+
+
+class ServeProcess:
+    """`kvtier serve --config FILE --port N` in its own process group; output goes to a log file."""
+
+    def __init__(self, config: dict, tmp: Path, name: str = "service", env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config_path = tmp / f"{name}.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = tmp / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([KVTIER, "serve", "--config", str(self.config_path), "--port", str(self.port)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env or service_env(),
+                                     start_new_session=True)
+        self.ready_after: float | None = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 600) -> float:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if "READY at" in self.log():
+                self.ready_after = time.time() - t0
+                return self.ready_after
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvtier serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            time.sleep(1)
+        raise TimeoutError(f"kvtier serve not ready after {timeout} s:\n{self.log()[-4000:]}")
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def find(self, needle: str) -> list[psutil.Process]:
+        out = []
+        for p in self.descendants():
+            try:
+                if needle in " ".join(p.cmdline()):
+                    out.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return out
+
+    def stop(self, timeout: float = 90) -> int:
+        """Ctrl-C, as a user would; then make sure nothing of ours is left behind."""
+        procs = self.descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        _, alive = psutil.wait_procs(procs, timeout=20)
+        for p in alive:  # only processes this service started
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self._log.close()
+        return self.proc.returncode
+
+
+def run_in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def target():
+        t0 = time.time()
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            box["error"] = exc
+        box["seconds"] = time.time() - t0
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box

@@ -1,0 +1,323 @@
+"""The service end to end over HTTP on CPU: `kvtier serve` (subprocess, local Ray, Ray Serve LLM engine on
+the tiny model) shared by the whole module; the official `openai` client; bad input; a schemathesis fuzz
+run; client disconnects; a killed engine replica. The replica kill runs last (it restarts the engine)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("ray.serve")
+pytest.importorskip("vllm")
+
+from service_helpers import ServeProcess, run_in_thread  # noqa: E402
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
+
+MODEL = "tiny"
+ALICE, BOB = "sk-alice", "sk-bob"
+CONFIG = {
+    "server": {"load_poll_s": 0.5, "request_timeout_s": 120},
+    "routing": {"min_trace_share": 0.5, "on_pressure": "fallback"},
+    "engines": {"cpu": {
+        "model": "tiny", "model_id": MODEL, "max_model_len": 2048, "kv_cache_bytes": "32MiB",
+        "engine_kwargs": {"max_num_seqs": 8, "enforce_eager": True},
+        "pressure": {"kv_usage": 0.95, "queue_depth": 8},
+    }},
+    "tiers": [
+        {"name": "full", "engine": "cpu", "budget": "full"},
+        {"name": "k64", "engine": "cpu", "budget": 64, "buffer": 16},     # K + r = 80, takes prompts <= 32
+        {"name": "k256", "engine": "cpu", "budget": 256, "buffer": 32},   # K + r = 288, takes prompts <= 128
+        {"name": "vip", "engine": "cpu", "budget": 512, "auto": False, "tenants": ["bob"]},
+    ],
+    "tenants": {"alice": {"api_keys": [ALICE], "tiers": ["full", "k64", "k256"]}, "bob": {"api_keys": [BOB]}},
+}
+SHORT = "Hello world, the answer is"
+NO_EOS = {"ignore_eos": True}  # the random-weight tiny model samples EOS now and then; tests want full lengths
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    svc = ServeProcess(CONFIG, tmp_path_factory.mktemp("svc"))
+    try:
+        svc.wait_ready()
+        print(f"\n[service ready after {svc.ready_after:.0f} s]")
+        yield svc
+    finally:
+        code = svc.stop()
+        log = svc.log()
+        assert "kvtier serve: stopped" in log, log[-3000:]
+        assert code == 0, log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    return openai.OpenAI(base_url=service.url + "/v1", api_key=ALICE, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(service):
+    with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {ALICE}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def counter():
+    from kvtier.models.tiny import ensure_tiny_model
+    from kvtier.service.tokens import PromptCounter
+
+    return PromptCounter(str(ensure_tiny_model()))
+
+
+def engine_state(http) -> dict:
+    r = http.get("/v1/kvtier/stats", params={"eviction": "true"})
+    assert r.status_code == 200, r.text
+    return r.json()["engines"]["cpu"]
+
+
+def wait_idle(http, timeout=30) -> dict:
+    t0 = time.time()
+    while True:
+        st = engine_state(http)
+        if st["running"] == 0 and st["waiting"] == 0 and st["free_blocks"] == st["total_blocks"]:
+            return st
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"engine not idle after {timeout} s: {st}")
+        time.sleep(0.5)
+
+
+def stream_headers(client, *, lines=2, **kwargs):
+    """Open a streaming completion, read its headers and a few events, then hang up."""
+    with client.completions.with_streaming_response.create(model=MODEL, stream=True, **kwargs) as resp:
+        got = []
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                got.append(line)
+            if len(got) >= lines:
+                break
+        return resp.headers, got
+
+
+# -- the OpenAI API -------------------------------------------------------------------------------------
+def test_models_health_and_open_mode_banner(service, client, http):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert {t["name"] for t in models.data[0].model_extra["tiers"]} == {"full", "k64", "k256"}  # alice's tiers
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["open_mode"] is False
+    assert "OPEN MODE" not in service.log()
+    assert "Example request" in service.log() and "curl" in service.log()
+
+
+def test_completion_and_streaming_chat(client):
+    out = client.completions.create(model=MODEL, prompt=SHORT, max_tokens=8, temperature=0, extra_body=NO_EOS)
+    assert out.choices[0].text and out.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to three."}], max_tokens=8, stream=True,
+        extra_body=NO_EOS))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+
+
+def test_tier_header_follows_the_routing_rule(client, http, counter):
+    # short max_tokens: prompt + max_tokens <= K + r of the cheapest tier -> full attention
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=SHORT, max_tokens=8)
+    assert (raw.headers["x-kvtier-tier"], raw.headers["x-kvtier-reason"]) == ("full", "short")
+    # long max_tokens -> the cheapest budget that leaves half of K for the trace
+    headers, events = stream_headers(client, prompt=SHORT, max_tokens=1500)
+    assert (headers["x-kvtier-tier"], headers["x-kvtier-reason"]) == ("k64", "cheapest-fit") and events
+    # long prompt (> 32 tokens, <= 128) -> k256, skipping k64
+    long_prompt = " ".join(["seven times six is forty two and"] * 8)
+    assert 32 < counter.completion(long_prompt) <= 128
+    headers, _ = stream_headers(client, prompt=long_prompt, max_tokens=1500)
+    assert (headers["x-kvtier-tier"], headers["x-kvtier-reason"]) == ("k256", "long-prompt")
+    # chat without max_tokens runs to the model length: compressed
+    with client.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Think step by step."}], stream=True) as resp:
+        assert resp.headers["x-kvtier-tier"] == "k64"
+    # explicit tier, as body field (openai extra_body) or header
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=SHORT, max_tokens=4,
+                                                      extra_body={"tier": "k256"})
+    assert (raw.headers["x-kvtier-tier"], raw.headers["x-kvtier-reason"]) == ("k256", "explicit")
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=SHORT, max_tokens=4,
+                                                      extra_headers={"x-kvtier-tier": "k64"})
+    assert raw.headers["x-kvtier-tier"] == "k64"
+    # the budget reaches the engine: a compressed request past K + r evicts
+    before = engine_state(http)["eviction"]["events"]
+    out = client.completions.create(model=MODEL, prompt=SHORT, max_tokens=120, extra_body={"tier": "k64", **NO_EOS})
+    assert out.usage.completion_tokens == 120
+    assert engine_state(http)["eviction"]["events"] > before
+    wait_idle(http)
+
+
+def test_tenants_and_forbidden_tiers(service, client):
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        client.completions.create(model=MODEL, prompt=SHORT, max_tokens=4, extra_body={"tier": "vip"})
+    assert e.value.status_code == 403 and "vip" in e.value.message
+    bob = openai.OpenAI(base_url=service.url + "/v1", api_key=BOB, max_retries=0)
+    raw = bob.completions.with_raw_response.create(model=MODEL, prompt=SHORT, max_tokens=4, extra_body={"tier": "vip"})
+    assert raw.headers["x-kvtier-tier"] == "vip"
+    for key in ("sk-nobody", ""):
+        bad = openai.OpenAI(base_url=service.url + "/v1", api_key=key or "x", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL, prompt=SHORT, max_tokens=4)
+
+
+# -- bad input --------------------------------------------------------------------------------------------
+BAD_REQUESTS = [
+    ("invalid JSON", "/v1/completions", b'{"model": "tiny", "prompt": ', 400),
+    ("not an object", "/v1/completions", b'[1, 2, 3]', 400),
+    ("unknown model", "/v1/completions", {"model": "gpt-5", "prompt": "hi"}, 404),
+    ("unknown tier", "/v1/completions", {"model": MODEL, "prompt": "hi", "tier": "gold"}, 404),
+    ("max_tokens beyond the model", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400),
+    ("prompt longer than every tier", "/v1/completions", {"model": MODEL, "prompt": "seven " * 2100}, 400),
+    ("negative max_tokens", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400),
+    ("absurd max_tokens", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**18}, 400),
+    ("negative temperature", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400),
+    ("top_p zero", "/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400),
+    ("huge n", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 10000}, 400),
+    ("empty prompt list", "/v1/completions", {"model": MODEL, "prompt": []}, 400),
+    ("negative token id", "/v1/completions", {"model": MODEL, "prompt": [1, -5]}, 400),
+    ("token id beyond vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9], "max_tokens": 2}, 400),
+    ("kvtier xargs smuggled", "/v1/completions", {"model": MODEL, "prompt": "hi", "vllm_xargs": {"kvtier_budget": 1}}, 400),
+    ("no messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+    ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "god", "content": "x"}]}, 400),
+    ("tier twice", "/v1/completions", {"model": MODEL, "prompt": "hi", "tier": "k64", "_header": "k256"}, 400),
+]
+
+
+@pytest.mark.parametrize("what, path, body, status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_4xx_with_a_message(http, what, path, body, status):
+    headers = {"content-type": "application/json"}
+    if isinstance(body, dict) and "_header" in body:
+        body = dict(body)
+        headers["x-kvtier-tier"] = body.pop("_header")
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = http.post(path, content=content, headers=headers)
+    assert r.status_code == status, (what, r.status_code, r.text[:500])
+    err = r.json()["error"]
+    assert err["message"] and err["type"], r.text
+
+
+def test_engine_keeps_serving_after_bad_input(client, http):
+    out = client.completions.create(model=MODEL, prompt=SHORT, max_tokens=4)
+    assert out.choices[0].text
+    assert http.get("/health").json()["status"] == "ok"
+
+
+def test_fuzz_openapi_schema_finds_no_5xx(service, http):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+
+    schema = schemathesis.openapi.from_url(service.url + "/openapi.json")
+    failures, calls = [], 0
+
+    def bounded(case):
+        """Keep generation cheap: the property is about status codes, not long outputs."""
+        body = case.body
+        if isinstance(body, dict):
+            for key in ("max_tokens", "max_completion_tokens"):
+                if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > 4:
+                    body[key] = 4
+            if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
+                body["max_tokens"] = 4
+            if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) and body["n"] > 2:
+                body["n"] = 2
+
+    for result in schema.get_all_operations():
+        op = result.ok()
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            @settings(max_examples=25, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode))
+            def run(case):
+                nonlocal calls
+                bounded(case)
+                resp = case.call(headers={"Authorization": f"Bearer {ALICE}"}, timeout=60)
+                calls += 1
+                if resp.status_code >= 500:
+                    failures.append((op.label, mode.value, case.body, resp.status_code, resp.text[:300]))
+
+            try:
+                run()
+            except Unsatisfiable:  # nothing to break (e.g. negative data for a GET without parameters)
+                assert mode is schemathesis.GenerationMode.NEGATIVE
+    print(f"\n[fuzz: {calls} calls]")
+    assert calls >= 100
+    assert not failures, failures[:5]
+    assert http.get("/health").json()["status"] == "ok"
+    wait_idle(http, timeout=60)
+
+
+# -- disconnects and engine failures ----------------------------------------------------------------------
+def test_client_disconnect_mid_stream_frees_kv_blocks(client, http):
+    idle = wait_idle(http)
+    with client.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Write a very long story."}], max_tokens=1800,
+            stream=True, extra_body={"tier": "full", **NO_EOS}) as resp:
+        n = 0
+        for line in resp.iter_lines():
+            n += line.startswith("data: ")
+            if n >= 150:  # past the first KV block: the request holds 2 blocks now
+                break
+        assert n >= 150, n
+        busy = engine_state(http)
+        assert busy["running"] == 1 and busy["free_blocks"] < idle["total_blocks"], busy
+    back = wait_idle(http, timeout=30)   # hung up: the engine aborts the request and frees its blocks
+    assert back["free_blocks"] == idle["free_blocks"] == idle["total_blocks"]
+
+
+def test_killed_engine_replica_restarts_and_in_flight_requests_get_503(service, client, http):
+    wait_idle(http)
+    [replica] = service.find("ServeReplica:kvtier:engine-cpu")
+    cores = service.find("VLLM::EngineCore")
+
+    def long_completion():
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": SHORT, "max_tokens": 1800, "tier": "full",
+                                               **NO_EOS})
+        return r.status_code, r.json()
+
+    def long_stream():
+        got = 0
+        for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go on."}],
+                                                    max_tokens=1800, stream=True, extra_body=NO_EOS):
+            got += 1
+        return got
+
+    t1, plain = run_in_thread(long_completion)
+    t2, streamed = run_in_thread(long_stream)
+    t0 = time.time()
+    while engine_state(http)["running"] < 2:
+        assert time.time() - t0 < 30, "requests never started"
+        time.sleep(0.2)
+    replica.kill()                                    # SIGKILL the Serve replica hosting the engine
+    t1.join(60)
+    t2.join(60)
+    assert not t1.is_alive() and not t2.is_alive(), "in-flight requests hung"
+    status, body = plain["result"]
+    assert status == 503 and body["error"]["code"] == "engine-unavailable", body
+    assert isinstance(streamed.get("error"), openai.APIError), streamed   # an SSE error event ends the stream
+    assert "unavailable" in str(streamed["error"]) or "went away" in str(streamed["error"])
+
+    # Serve replaces the replica; meanwhile requests are answered 503 quickly, never left hanging
+    t0, statuses = time.time(), []
+    while True:
+        t = time.time()
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": SHORT, "max_tokens": 4}, timeout=60)
+        assert time.time() - t < 60
+        statuses.append(r.status_code)
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503, r.text
+        assert time.time() - t0 < 600, f"engine not back after 600 s: {statuses[-5:]}"
+        time.sleep(2)
+    print(f"\n[engine back after {time.time() - t0:.0f} s; {len(statuses) - 1} requests answered 503 meanwhile]")
+    assert r.headers["x-kvtier-tier"] == "full"
+    assert http.get("/health").json()["status"] == "ok"
+    for p in cores:                                   # the dead replica's engine processes are gone
+        assert not p.is_running() or p.status() == "zombie", p

@@ -1,0 +1,275 @@
+"""The service's pure parts: config validation, the routing rule, API keys -> tenants (no Ray, no vLLM)."""
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.service.auth import OPEN_TENANT, Authenticator, AuthError
+from kvtier.service.config import ConfigError, load_config, parse_bytes, parse_config
+from kvtier.service.routing import EngineLoad, RequestShape, RouteError, kv_bound, route
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def make_cfg(**over):
+    data = {
+        "engines": {"cpu": {"model": "tiny", "model_id": "m", "max_model_len": 4096,
+                            "pressure": {"kv_usage": 0.8, "queue_depth": 4}}},
+        "tiers": [
+            {"name": "full", "engine": "cpu", "budget": "full"},
+            {"name": "small", "engine": "cpu", "budget": 256, "buffer": 64},
+            {"name": "big", "engine": "cpu", "budget": 1024, "buffer": 64},
+            {"name": "lab", "engine": "cpu", "budget": 512, "policy": "snapkv", "auto": False},
+        ],
+        "tenants": {"alice": {"api_keys": ["sk-a"], "tiers": ["full", "small"]},
+                    "bob": {"api_keys": ["sk-b"]}},
+        "routing": {"min_trace_share": 0.5},
+    }
+    data.update(over)
+    return parse_config(data)
+
+
+ALL = {"full", "small", "big", "lab"}
+
+
+def decide(cfg, prompt, max_tokens, tier=None, allowed=ALL, loads=None, model=None):
+    return route(cfg, RequestShape(prompt, max_tokens, model, tier), allowed, loads)
+
+
+# -- config --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["local.yaml", "gpu.yaml"])
+def test_shipped_configs_validate(name):
+    cfg = load_config(CONFIGS / name)
+    assert cfg.tiers and cfg.engines
+    assert any(not t.compressed for t in cfg.tiers) and any(t.compressed for t in cfg.tiers)
+
+
+def test_local_config_is_open_mode_on_one_cpu_engine():
+    cfg = load_config(CONFIGS / "local.yaml")
+    assert cfg.open_mode and len(cfg.engines) == 1 and 2 <= len(cfg.tiers) <= 3
+    assert next(iter(cfg.engines.values())).accelerator == "cpu"
+
+
+@pytest.mark.parametrize("patch, needle", [
+    ({"tiers": [{"name": "x", "engine": "nope"}]}, "unknown engine"),
+    ({"tiers": [{"name": "x", "engine": "cpu", "budget": 0}]}, "budget"),
+    ({"tiers": [{"name": "x", "engine": "cpu", "budget": 8192}]}, "max_model_len"),
+    ({"tiers": [{"name": "x", "engine": "cpu"}, {"name": "x", "engine": "cpu"}]}, "duplicate"),
+    ({"tiers": [{"name": "x", "engine": "cpu", "tenants": ["ghost"]}]}, "unknown tenants"),
+    ({"tenants": {"t": {"tiers": ["ghost"]}}}, "unknown tiers"),
+    ({"tenants": {"a": {"api_keys": ["k"]}, "b": {"api_keys": ["k"]}}}, "share an API key"),
+    ({"routing": {"min_trace_share": 1.5}}, "min_trace_share"),
+    ({"routing": {"typo": 1}}, "typo"),
+])
+def test_bad_configs_name_the_field(patch, needle):
+    with pytest.raises(ConfigError, match=needle):
+        make_cfg(**patch)
+
+
+def test_bad_engine_kwargs_and_eviction_are_rejected():
+    with pytest.raises(ConfigError, match="max_model_len"):
+        make_cfg(engines={"cpu": {"max_model_len": 4096, "engine_kwargs": {"max_model_len": 1}}})
+    with pytest.raises(ConfigError, match="admission"):
+        make_cfg(engines={"cpu": {"max_model_len": 4096, "eviction": {"admission": "sometimes"}}})
+
+
+def test_bytes_and_yaml_errors(tmp_path):
+    assert parse_bytes("64MiB") == 64 << 20 and parse_bytes("1G") == 10**9 and parse_bytes("4096") == 4096
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engines: [")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_tier_extra_args_fit_openai_vllm_xargs():
+    cfg = make_cfg()
+    assert cfg.tier("full").extra_args() == {"kvtier_budget": "full"}
+    lab = cfg.tier("lab").model_copy(update={"params": {"window": 8}, "protect_prompt": True})
+    xargs = lab.extra_args()
+    assert xargs["kvtier_budget"] == 512 and xargs["kvtier_policy"] == "snapkv"
+    assert xargs["kvtier_protect_prompt"] == 1 and xargs["kvtier_params"] == '{"window": 8}'
+    assert all(isinstance(v, (str, int, float)) for v in xargs.values())
+
+
+# -- routing rule ----------------------------------------------------------------------------------------
+def test_short_request_goes_to_full_attention():
+    cfg = make_cfg()
+    d = decide(cfg, prompt=20, max_tokens=200)          # 220 <= K+r = 320 of the cheapest fitting tier
+    assert (d.tier.name, d.reason) == ("full", "short")
+    d = decide(cfg, prompt=20, max_tokens=300)          # exactly K + r
+    assert (d.tier.name, d.reason) == ("full", "short")
+
+
+def test_long_generation_goes_to_the_cheapest_fitting_budget():
+    cfg = make_cfg()
+    d = decide(cfg, prompt=20, max_tokens=301)
+    assert (d.tier.name, d.reason) == ("small", "cheapest-fit")
+    d = decide(cfg, prompt=20, max_tokens=None)         # chat default: up to the model length
+    assert (d.tier.name, d.reason) == ("small", "cheapest-fit")
+
+
+def test_long_prompt_skips_budgets_it_would_crowd():
+    cfg = make_cfg()
+    d = decide(cfg, prompt=129, max_tokens=2000)        # > (1 - 0.5) * 256
+    assert (d.tier.name, d.reason) == ("big", "long-prompt")
+    d = decide(cfg, prompt=128, max_tokens=2000)        # exactly half of K still fits
+    assert d.tier.name == "small"
+    d = decide(cfg, prompt=400, max_tokens=600)         # 1000 <= K+r of big: compression cannot pay
+    assert (d.tier.name, d.reason) == ("full", "short")
+    d = decide(cfg, prompt=600, max_tokens=3000)        # no compressed tier leaves room
+    assert (d.tier.name, d.reason) == ("full", "no-compressed-fit")
+
+
+def test_trace_share_is_tunable():
+    cfg = make_cfg(routing={"min_trace_share": 0.25})
+    assert decide(cfg, prompt=192, max_tokens=2000).tier.name == "small"
+    assert decide(cfg, prompt=193, max_tokens=2000).tier.name == "big"
+
+
+def test_without_a_full_tier_short_requests_take_the_cheapest_budget():
+    cfg = make_cfg()
+    d = decide(cfg, prompt=20, max_tokens=10, allowed={"small", "big"})
+    assert (d.tier.name, d.reason) == ("small", "cheapest-fit")
+    with pytest.raises(RouteError) as e:
+        decide(cfg, prompt=600, max_tokens=3000, allowed={"small", "big"})
+    assert (e.value.status, e.value.reason) == (400, "prompt-too-long")
+
+
+def test_explicit_tier_allowance_and_lengths():
+    cfg = make_cfg()
+    d = decide(cfg, prompt=20, max_tokens=10, tier="big")
+    assert (d.tier.name, d.reason) == ("big", "explicit")
+    assert decide(cfg, 20, 10, tier="lab").tier.name == "lab"           # auto: false tiers are explicit-only
+    assert decide(cfg, 20, 3000).tier.name != "lab"
+    for tier, status, reason in [("big", 403, "forbidden-tier"), ("nope", 404, "unknown-tier")]:
+        with pytest.raises(RouteError) as e:
+            decide(cfg, 20, 10, tier=tier, allowed={"full", "small"})
+        assert (e.value.status, e.value.reason, e.value.param) == (status, reason, "tier")
+    with pytest.raises(RouteError) as e:
+        decide(cfg, 20, 4077, tier="small")
+    assert (e.value.status, e.value.reason) == (400, "context-too-long")
+
+
+@pytest.mark.parametrize("prompt, max_tokens, reason", [(4096, None, "prompt-too-long"), (10, 4087, "context-too-long"),
+                                                        (10, 0, "bad-request"), (0, 10, "empty-prompt")])
+def test_lengths_beyond_the_model_are_400(prompt, max_tokens, reason):
+    with pytest.raises(RouteError) as e:
+        decide(make_cfg(), prompt, max_tokens)
+    assert (e.value.status, e.value.reason) == (400, reason)
+
+
+def test_models_unknown_and_required():
+    cfg = make_cfg()
+    assert decide(cfg, 10, 10, model="m").model == "m"
+    with pytest.raises(RouteError) as e:
+        decide(cfg, 10, 10, model="gpt-4")
+    assert (e.value.status, e.value.reason) == (404, "unknown-model")
+    two = make_cfg(engines={"a": {"model_id": "m1", "max_model_len": 4096}, "b": {"model_id": "m2", "max_model_len": 4096}},
+                   tiers=[{"name": "x", "engine": "a"}, {"name": "y", "engine": "b", "budget": 256}], tenants={})
+    with pytest.raises(RouteError) as e:
+        decide(two, 10, 10, allowed={"x", "y"})
+    assert e.value.reason == "model-required"
+    assert decide(two, 10, 10, model="m2", allowed={"x", "y"}).tier.name == "y"
+
+
+def test_kv_bound_matches_the_engine_schedule():
+    cfg = make_cfg()
+    req = RequestShape(100, 2000)
+    eng = cfg.engines["cpu"]
+    assert kv_bound(cfg.tier("full"), req, eng) == 2100
+    assert kv_bound(cfg.tier("small"), req, eng) == 256 + 128
+    assert kv_bound(cfg.tier("small"), RequestShape(100, 50), eng) == 150
+
+
+# -- KV pressure -----------------------------------------------------------------------------------------
+HOT = {"cpu": EngineLoad(kv_usage=0.95, waiting=0)}
+
+
+def test_pressure_falls_back_to_a_smaller_budget():
+    cfg = make_cfg()
+    d = decide(cfg, prompt=129, max_tokens=2000, loads=HOT)             # big by the trace-share rule
+    assert (d.tier.name, d.reason) == ("small", "pressure-fallback")   # small still holds the prompt
+    d = decide(cfg, prompt=600, max_tokens=3000, loads=HOT)             # full: no compressed tier leaves room
+    assert (d.tier.name, d.reason) == ("big", "pressure-fallback")
+    assert "lab" not in {decide(cfg, 600, 3000, loads=HOT).tier.name}  # explicit-only tiers stay explicit
+    d = decide(cfg, prompt=300, max_tokens=3000, loads=HOT)             # big; small cannot hold 300 tokens
+    assert (d.tier.name, d.reason) == ("big", "pressure-queued")
+    d = decide(cfg, prompt=20, max_tokens=200, loads=HOT)               # short: no tier would hold less
+    assert (d.tier.name, d.reason) == ("full", "pressure-queued")
+    d = decide(cfg, prompt=20, max_tokens=3000, loads={"cpu": EngineLoad(kv_usage=0.1, waiting=9)})
+    assert (d.tier.name, d.reason) == ("small", "pressure-queued")      # queue depth counts; already smallest
+    d = decide(cfg, prompt=129, max_tokens=2000, loads={"cpu": EngineLoad(kv_usage=0.5, waiting=1)})
+    assert (d.tier.name, d.reason) == ("big", "long-prompt")            # below both thresholds
+
+
+def test_pressure_is_ignored_for_explicit_tiers_and_in_queue_mode():
+    assert decide(make_cfg(), 20, 3000, tier="big", loads=HOT).reason == "explicit"
+    d = decide(make_cfg(routing={"on_pressure": "queue"}), 600, 3000, loads=HOT)
+    assert (d.tier.name, d.reason) == ("full", "pressure-queued")
+
+
+def test_pressure_fallback_across_engines():
+    cfg = make_cfg(
+        engines={"a": {"model_id": "m", "max_model_len": 4096}, "b": {"model_id": "m", "max_model_len": 4096}},
+        tiers=[{"name": "full", "engine": "a"}, {"name": "k1", "engine": "b", "budget": 1024},
+               {"name": "k2", "engine": "b", "budget": 512}], tenants={})
+    tiers = {"full", "k1", "k2"}
+    hot = EngineLoad(kv_usage=0.99)
+    d = decide(cfg, 600, 3000, allowed=tiers, loads={"a": hot})
+    assert (d.tier.name, d.reason) == ("k1", "pressure-fallback")
+    d = decide(cfg, 600, 3000, allowed=tiers, loads={"a": hot, "b": hot})     # the other engine is hot too
+    assert (d.tier.name, d.reason) == ("full", "pressure-queued")
+    d = decide(cfg, 300, 700, allowed={"full", "k1"}, loads={"a": hot})      # short: k1 would hold as much
+    assert (d.tier.name, d.reason) == ("full", "pressure-queued")
+    assert decide(cfg, 20, 900, allowed=tiers, loads={"a": hot}).reason == "cheapest-fit"
+
+
+# -- API keys --------------------------------------------------------------------------------------------
+def test_open_mode_without_keys():
+    cfg = make_cfg(tenants={})
+    auth = Authenticator(cfg)
+    assert auth.open_mode
+    t = auth.tenant(None)
+    assert t.name == OPEN_TENANT and t.tiers == ALL
+    assert auth.tenant("Bearer anything").name == OPEN_TENANT
+
+
+def test_keys_map_to_tenants_and_their_tiers(monkeypatch):
+    monkeypatch.setenv("TEAM_KEYS", "sk-c1, sk-c2")
+    cfg = make_cfg(tenants={"alice": {"api_keys": ["sk-a"], "tiers": ["full", "small"]},
+                            "carol": {"api_keys_env": "TEAM_KEYS"}},
+                   tiers=[{"name": "full", "engine": "cpu"}, {"name": "small", "engine": "cpu", "budget": 256},
+                          {"name": "vip", "engine": "cpu", "budget": 1024, "tenants": ["carol"]}])
+    auth = Authenticator(cfg)
+    assert not auth.open_mode
+    assert auth.tenant("Bearer sk-a").tiers == {"full", "small"}
+    assert auth.tenant("bearer sk-c2").tiers == {"full", "small", "vip"}
+    for header in (None, "", "Basic sk-a", "Bearer", "Bearer sk-x"):
+        with pytest.raises(AuthError):
+            auth.tenant(header)
+
+
+# -- CLI (no Ray started) ----------------------------------------------------------------------------------
+def test_serve_cli_rejects_a_bad_config_before_starting_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtier.service.cli import app
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engines: {cpu: {max_model_len: 64}}\ntiers: [{name: x, engine: gpu}]\n")
+    result = CliRunner().invoke(app, ["serve", "--config", str(bad)])
+    assert result.exit_code == 2 and "unknown engine" in result.output
+
+
+def test_example_request_is_a_valid_openai_chat_call():
+    import json
+    import shlex
+
+    from kvtier.service.serve_cli import example_request
+
+    cmd = shlex.split(example_request("http://127.0.0.1:8000", "tiny-qwen3", "$KEY"))
+    body = json.loads(cmd[cmd.index("-d") + 1])
+    assert cmd[3].endswith("/v1/chat/completions") and body["model"] == "tiny-qwen3" and body["messages"]
+    assert "Authorization: Bearer $KEY" in cmd
