@@ -12,6 +12,8 @@ The engine is warmed up with a 16-token prompt before it serves (see kvtier.engi
 from __future__ import annotations
 
 import json
+import asyncio
+import logging
 import os
 import time
 from typing import Any, AsyncIterator
@@ -24,6 +26,8 @@ from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
 
 from kvtier.engine.api import WARMUP_PROMPT_TOKENS
+
+logger = logging.getLogger("kvtier.service")
 
 
 class LocalModelCallback(CallbackBase):
@@ -99,6 +103,9 @@ class KVTierVLLMEngine(VLLMEngine):
         }
 
 
+EXPORT_EVERY_S = 5.0
+
+
 class KVTierLLMServer(LLMServer):
     _default_engine_cls = KVTierVLLMEngine
 
@@ -129,7 +136,29 @@ class KVTierLLMServer(LLMServer):
             yield f"data: {json.dumps({'error': error})}\n\n" if started else {"error": error}
 
     async def kvtier_load(self) -> dict[str, Any]:
-        return self.engine.load()
+        load = self.engine.load()
+        now = time.time()
+        if now - getattr(self, "_exported_at", 0.0) >= EXPORT_EVERY_S:  # off the poll's path
+            self._exported_at = now
+            asyncio.ensure_future(self._export_metrics(load))
+        return load
+
+    async def _export_metrics(self, load: dict[str, Any]) -> None:
+        """Every EXPORT_EVERY_S (piggybacking on the router's load polls), push the eviction counters, round
+        times and KV blocks as the catalog's Ray metrics. Best effort: metrics never fail a request."""
+        try:
+            if getattr(self, "_exporter", None) is None:
+                from ray import serve
+
+                from kvtier.observability.exporters import EngineMetricsExporter
+
+                self._exporter = EngineMetricsExporter(serve.get_replica_context().deployment)
+            client = self.engine._engine_client
+            snap = (await client.collective_rpc("kvtier_eviction_stats", args=(None,)))[0]
+            samples = (await client.collective_rpc("kvtier_drain_round_ms"))[0]
+            self._exporter.update(snap, load, samples)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("kvtier metrics export failed: %s", exc)
 
     async def kvtier_eviction_stats(self, request_ids: list[str] | None = None) -> dict | None:
         results = await self.engine._engine_client.collective_rpc("kvtier_eviction_stats", args=(request_ids,))

@@ -12,3 +12,8 @@ class KVTierWorkerExtension:
     def kvtier_eviction_stats(self, request_ids: list[str] | None = None) -> dict | None:
         ev = getattr(self.model_runner, "kvtier", None)
         return None if ev is None else ev.stats.snapshot(request_ids)
+
+    def kvtier_drain_round_ms(self) -> list[float]:
+        """Round times since the last call (the engine deployment's histogram exporter drains them)."""
+        ev = getattr(self.model_runner, "kvtier", None)
+        return [] if ev is None else ev.stats.drain_round_ms()
