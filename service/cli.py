@@ -3,9 +3,7 @@ and a command that needs vLLM or Ray only imports them when it runs."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -14,10 +12,6 @@ model_app = typer.Typer(no_args_is_help=True, help="Build the local models kvtie
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (print JSON).")
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
-
-
-def _print_json(obj) -> None:
-    typer.echo(json.dumps(obj, indent=2, sort_keys=False))
 
 
 @model_app.command("tiny")
