@@ -151,31 +151,3 @@ class DenseHeadCache:
         qg = q.to(dt).view(H, group, d)
         w = torch.softmax(qg @ k.transpose(1, 2) / d**0.5, dim=-1)
         return (w @ v).view(H * group, d)
-
-
-def batched_order_free_round(caches: list[DenseHeadCache], policy: EvictionPolicy, schedule: EvictionSchedule,
-                             prompt_len: int, generator: torch.Generator | None = None) -> None:
-    """One round over many equally long caches (e.g. every layer of a request) with a single policy call.
-
-    Only for order-free policies that read nothing (`random`): the draw for all layers and heads is one
-    tensor op, then each cache applies its slice of the hole-filling plan.
-    """
-    if not policy.order_free or policy.needs:
-        raise PolicyError(f"policy {policy.name!r} is not order-free and read-nothing; use evict_round per cache")
-    length = caches[0].length
-    if any(c.length != length for c in caches):
-        raise PolicyError("batched round needs caches of equal length")
-    n_cand = schedule.num_candidates(length)
-    rows = [c.positions[:, :n_cand] for c in caches]
-    ctx = EvictionContext(positions=torch.cat(rows), budget=schedule.budget, prompt_len=prompt_len, generator=generator)
-    plan = hole_fill_plan(policy.evict(ctx), length)
-    start = 0
-    for cache, r in zip(caches, rows):
-        h = r.shape[0]
-        part = CompactionPlan(plan.src[start : start + h], plan.dst[start : start + h], plan.new_len)
-        for t in (cache.keys, cache.values):
-            apply_plan_dense(t, part)
-        apply_plan_dense(cache.positions.unsqueeze(-1), part)
-        cache.positions[:, plan.new_len :] = -1
-        cache.length = plan.new_len
-        start += h

@@ -6,7 +6,7 @@ import torch
 
 from kvtier.policies import (DenseHeadCache, EvictionSchedule, PolicyError, full_gather_plan, hole_fill_plan,
                              make_policy)
-from kvtier.policies.compaction import apply_plan_dense, batched_order_free_round
+from kvtier.policies.compaction import apply_plan_dense
 
 
 def masked_reference(all_k, all_v, alive, q):
@@ -87,22 +87,6 @@ def test_full_gather_plan_orders_survivors():
     x = torch.arange(6.0).view(1, 6, 1).clone()
     apply_plan_dense(x, plan)
     assert plan.new_len == 3 and x[0, :3, 0].tolist() == [0, 2, 5]
-
-
-def test_batched_round_matches_per_layer_semantics():
-    torch.manual_seed(1)
-    sched = EvictionSchedule(budget=16, buffer=4)
-    caches = [DenseHeadCache(2, 4, 24) for _ in range(3)]
-    for c in caches:
-        c.append(torch.randn(2, 24, 4), torch.randn(2, 24, 4), 0)
-    batched_order_free_round(caches, make_policy("random"), sched, 6, torch.Generator().manual_seed(0))
-    for c in caches:
-        held = c.positions[:, : c.length]
-        assert c.length == 20
-        assert (held[:, :6] == torch.arange(6)).all()
-        assert set(range(20, 24)) <= set(held[0].tolist()) and set(range(20, 24)) <= set(held[1].tolist())
-    with pytest.raises(PolicyError, match="order-free"):
-        batched_order_free_round(caches, make_policy("recency"), sched, 6)
 
 
 def test_schedule_cadence_and_bounds():
