@@ -39,8 +39,9 @@ tiny-model: setup
 test: setup system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-serve: setup
-	$(VENV)/bin/kvtier serve
+# `make serve PROMETHEUS=1` also starts Debian's Prometheus on 127.0.0.1:9090 scraping the service's metrics.
+serve: setup $(if $(PROMETHEUS),system-deps)
+	$(VENV)/bin/kvtier serve $(if $(PROMETHEUS),--prometheus)
 
 bench-rounds: setup
 	$(VENV)/bin/kvtier bench rounds

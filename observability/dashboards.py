@@ -44,6 +44,14 @@ def _rate(name: str, sel: str = "", by: str = "") -> str:
     return f"sum{grouping} (rate({_m(name)}{sel}[{RATE}]))"
 
 
+def _rate_or_zero(name: str, zero_like: str, sel: str = "", by: str = "") -> str:
+    """_rate, or 0 for every series of `zero_like` (a gauge with the same grouping) while the counter has
+    never been incremented (Ray exports a counter only after its first increment): the panel shows a 0
+    line instead of "No data"."""
+    grouping = f" by ({by})" if by else ""
+    return f"{_rate(name, sel, by)} or (0 * sum{grouping} ({_m(zero_like)}{sel}))"
+
+
 def _quantile(q: float, name: str, sel: str = "", by: str = "") -> str:
     by = f"le, {by}" if by else "le"
     return f"histogram_quantile({q}, sum by ({by}) (rate({_s(name, 'bucket')}{sel}[{RATE}])))"
@@ -145,7 +153,7 @@ def operations() -> dm.Dashboard:
               "Serving under a bounded KV cache: batch, preemptions, throughput per tier and engine, KV use, "
               "eviction work, routing and latency. Metrics: docs/metrics.md.")
     d = d.variables(_variables(
-        ("model_name", "Engine (model id)", f"label_values({_m('ray_vllm_num_requests_running')}, model_name)"),
+        ("model_name", "Engine (model id)", f"label_values({_m('ray_vllm_generation_tokens_total')}, model_name)"),
         ("deployment", "Engine deployment", f"label_values({_m('ray_kvtier_kv_blocks_used')}, deployment)"),
         ("tier", "Tier", f"label_values({_m('ray_kvtier_router_decisions_total')}, tier)"),
     ))
@@ -154,25 +162,27 @@ def operations() -> dm.Dashboard:
     d = d.with_panel(_stat(pid(), "Generated tok/s", "Output tokens per second, all tiers (router).",
                            _rate("ray_kvtier_router_generation_tokens_total", tier), "tok/s", "short"))
     d = d.with_panel(_stat(pid(), "Running requests", "Requests in the engines' running batches.",
-                           f"sum({_m('ray_vllm_num_requests_running')}{model})", "running", "short"))
+                           f"sum({_m('ray_kvtier_requests_running')}{dep})", "running", "short"))
     d = d.with_panel(_stat(pid(), "Waiting requests", "Requests queued in the engines' schedulers.",
-                           f"sum({_m('ray_vllm_num_requests_waiting')}{model})", "waiting", "short"))
+                           f"sum({_m('ray_kvtier_requests_waiting')}{dep})", "waiting", "short"))
     d = d.with_panel(_stat(pid(), "Healthy replicas", "Healthy Serve replicas, all deployments.",
                            f"sum({_m('ray_serve_deployment_replica_healthy')})", "replicas", "short"))
 
     d = d.with_row(db.Row("Batch and preemption").id(pid()))
     d = d.with_panel(_timeseries(
         pid(), "Batch: running and waiting requests",
-        "vLLM's scheduler: requests in the running batch and in the waiting queue, per engine.",
-        [(f"sum by (model_name) ({_m('ray_vllm_num_requests_running')}{model})", "running {{model_name}}"),
-         (f"sum by (model_name) ({_m('ray_vllm_num_requests_waiting')}{model})", "waiting {{model_name}}")],
+        "The scheduler's running batch and waiting queue per engine deployment (kvtier's gauges: refreshed "
+        "on every load poll, so an idle engine reads 0; vLLM's own are set only on engine steps).",
+        [(f"sum by (deployment) ({_m('ray_kvtier_requests_running')}{dep})", "running {{deployment}}"),
+         (f"sum by (deployment) ({_m('ray_kvtier_requests_waiting')}{dep})", "waiting {{deployment}}")],
         "short"))
     d = d.with_panel(_timeseries(
         pid(), "Preemptions/s: all and compressed",
         "All preemptions (vLLM, per engine) and preemptions of compressed requests (kvtier, per deployment). "
         "Reserve admission keeps compressed preemptions at 0.",
         [(_rate("ray_vllm_num_preemptions_total", model, "model_name"), "all {{model_name}}"),
-         (_rate("ray_kvtier_preemptions_compressed_total", dep, "deployment"), "compressed {{deployment}}")],
+         (_rate_or_zero("ray_kvtier_preemptions_compressed_total", "ray_kvtier_kv_blocks_used", dep, "deployment"),
+          "compressed {{deployment}}")],
         "ops"))
 
     d = d.with_row(db.Row("Throughput").id(pid()))
@@ -194,8 +204,10 @@ def operations() -> dm.Dashboard:
     d = d.with_panel(_timeseries(
         pid(), "KV use: vLLM and kvtier",
         "vLLM's KV-cache usage per engine next to kvtier's true usage after reclaim, used / (used + free) "
-        "per deployment. vLLM's figure can lag behind in-place reclaim.",
-        [(f"max by (model_name) ({_m('ray_vllm_kv_cache_usage_perc')}{model})", "vLLM {{model_name}}"),
+        "per deployment. vLLM's figure can lag behind in-place reclaim, and vLLM sets it only on engine "
+        "steps (an idle engine reads 0 here).",
+        [(f"max by (model_name) ({_m('ray_vllm_kv_cache_usage_perc')}{model}) or "
+          f"(0 * max by (model_name) ({_m('ray_vllm_generation_tokens_total')}{model}))", "vLLM {{model_name}}"),
          (f"{used} / ({used} + {free})", "kvtier {{deployment}}")],
         units.PercentUnit, min_val=0))
     d = d.with_panel(_timeseries(
@@ -216,7 +228,8 @@ def operations() -> dm.Dashboard:
         [(_rate("ray_kvtier_tokens_evicted_total", dep, "deployment, policy"), "{{deployment}} {{policy}}")],
         "short", w=8))
     d = d.with_panel(_timeseries(
-        pid(), "Eviction round time p50 / p99", "Wall time of one engine step's eviction work.",
+        pid(), "Eviction round time p50 / p99", "Wall time of one engine step's eviction work (the mean is "
+        "approximate: Ray computes a histogram's sum from bucket midpoints).",
         [(_quantile(0.5, "ray_kvtier_eviction_round_seconds", dep, "deployment"), "p50 {{deployment}}"),
          (_quantile(0.99, "ray_kvtier_eviction_round_seconds", dep, "deployment"), "p99 {{deployment}}"),
          (_mean("ray_kvtier_eviction_round_seconds", dep, "deployment"), "mean {{deployment}}")],
@@ -228,8 +241,10 @@ def operations() -> dm.Dashboard:
         [(_rate("ray_kvtier_router_decisions_total", tier, "tier, reason"), "{{tier}} {{reason}}")],
         "reqps", w=8, stack=True))
     d = d.with_panel(_timeseries(
-        pid(), "Rejections/s", "Requests rejected by the router per second, by HTTP status and reason.",
-        [(_rate("ray_kvtier_router_rejections_total", "", "status, reason"), "{{status}} {{reason}}")],
+        pid(), "Rejections and hang-ups/s", "Requests rejected by the router per second, by HTTP status and "
+        "reason, and streams the client abandoned (engine request aborted), by tier.",
+        [(_rate("ray_kvtier_router_rejections_total", "", "status, reason"), "{{status}} {{reason}}"),
+         (_rate("ray_kvtier_router_cancelled_total", tier, "tier"), "hung up {{tier}}")],
         "reqps", w=8, stack=True))
     d = d.with_panel(_timeseries(
         pid(), "HTTP errors/s and replicas", "Error responses of Serve's proxy per second by code, and "
@@ -276,15 +291,18 @@ def rollout() -> dm.Dashboard:
     d = d.with_row(db.Row("Response length").id(pid()))
     n = "ray_kvtier_rollout_response_length_tokens"
     d = d.with_panel(_timeseries(
-        pid(), "Response length p50 / p90 / p99 / mean", "Response tokens per sample.",
-        [(_quantile(0.5, n), "p50"), (_quantile(0.9, n), "p90"), (_quantile(0.99, n), "p99"), (_mean(n), "mean")],
+        pid(), "Response length p50 / p90 / p99 / mean", "Response tokens per sample. The mean is exact "
+        "(generated tokens / samples); the quantiles interpolate within buckets.",
+        [(_quantile(0.5, n), "p50"), (_quantile(0.9, n), "p90"), (_quantile(0.99, n), "p99"),
+         (f"{_rate('ray_kvtier_rollout_generation_tokens_total')} / sum (rate({_s(n, 'count')}[{RATE}]))", "mean")],
         "short"))
     d = d.with_panel(_heatmap(pid(), "Response length distribution", "Samples per response-length bucket.",
                               n, "short"))
     d = d.with_row(db.Row("Evictions per sample").id(pid()))
     e = "ray_kvtier_rollout_evictions_per_sample"
     d = d.with_panel(_timeseries(
-        pid(), "Evictions per sample p50 / p90 / p99 / mean", "Eviction rounds applied to each sample.",
+        pid(), "Evictions per sample p50 / p90 / p99 / mean", "Eviction rounds applied to each sample (with a "
+        "budget). Ray computes a histogram's sum from bucket midpoints, so the mean is approximate.",
         [(_quantile(0.5, e), "p50"), (_quantile(0.9, e), "p90"), (_quantile(0.99, e), "p99"), (_mean(e), "mean")],
         "short"))
     d = d.with_panel(_heatmap(pid(), "Evictions per sample distribution", "Samples per eviction-count bucket.",

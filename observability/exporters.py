@@ -1,8 +1,9 @@
 """Turn the engine's eviction counters into the catalog's Ray metrics.
 
-The engine deployment calls `EngineMetricsExporter.update(snapshot, pool)` periodically (counters are
-exported as deltas of the worker's cumulative counters; round times as histogram observations; gauges
-are refreshed every call, since Ray drops a gauge that is not updated). Names and labels come from
+The engine deployment calls `EngineMetricsExporter.update_load(load)` on every load poll (the gauges:
+Ray's metrics agent drops a gauge value not refreshed within two export intervals, so they are set far
+more often than that, idle or not) and `update(snapshot, round_ms=...)` every few seconds (counters are
+exported as deltas of the worker's cumulative counters; round times as histogram observations). Names and labels come from
 `kvtier.observability.catalog`, so dashboards, alerts and exporters cannot drift apart.
 """
 
@@ -39,6 +40,8 @@ class EngineMetricsExporter:
                                   boundaries=ROUND_SECONDS_BOUNDARIES)
         self.blocks_free = make("ray_kvtier_kv_blocks_free", "gauge")
         self.blocks_used = make("ray_kvtier_kv_blocks_used", "gauge")
+        self.running = make("ray_kvtier_requests_running", "gauge")
+        self.waiting = make("ray_kvtier_requests_waiting", "gauge")
         self._last: dict[str, float] = {}
 
     def _delta(self, key: str, value: float) -> float:
@@ -63,5 +66,43 @@ class EngineMetricsExporter:
         for ms in round_ms or ():
             self.round_seconds.observe(ms / 1e3, tags=tags)
         if pool is not None:
-            self.blocks_free.set(pool["free_blocks"], tags=tags)
-            self.blocks_used.set(pool["total_blocks"] - pool["free_blocks"], tags=tags)
+            self.update_load(pool)
+
+    def update_load(self, load: dict) -> None:
+        """The engine's load (`kvtier_load()`): KV blocks after reclaim, running and waiting requests."""
+        tags = {"deployment": self.deployment}
+        self.blocks_free.set(load["free_blocks"], tags=tags)
+        self.blocks_used.set(load["total_blocks"] - load["free_blocks"], tags=tags)
+        if "running" in load:
+            self.running.set(load["running"], tags=tags)
+            self.waiting.set(load["waiting"], tags=tags)
+
+
+RESPONSE_LENGTH_BOUNDARIES = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+EVICTIONS_BOUNDARIES = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]   # 0.5: the bucket of zero
+
+
+class RolloutMetricsExporter:
+    """Per-sample rollout metrics, recorded by the rollout server as each sample finishes."""
+
+    def __init__(self, metrics_module: Callable[[], Any] = _ray_metrics) -> None:
+        m = metrics_module()
+
+        def spec(name: str):
+            s = by_name(name)
+            return s.ray_name, s.help, s.labels
+
+        name, help_, labels = spec("ray_kvtier_rollout_generation_tokens_total")
+        self.tokens = m.Counter(name, description=help_, tag_keys=labels)
+        name, help_, labels = spec("ray_kvtier_rollout_response_length_tokens")
+        self.length = m.Histogram(name, description=help_, tag_keys=labels, boundaries=RESPONSE_LENGTH_BOUNDARIES)
+        name, help_, labels = spec("ray_kvtier_rollout_evictions_per_sample")
+        self.evictions = m.Histogram(name, description=help_, tag_keys=labels, boundaries=EVICTIONS_BOUNDARIES)
+
+    def sample(self, response_tokens: int, eviction_events: int | None) -> None:
+        """One finished sample; eviction_events is None for a sample that ran without a budget."""
+        if response_tokens > 0:
+            self.tokens.inc(response_tokens)
+        self.length.observe(response_tokens)
+        if eviction_events is not None:
+            self.evictions.observe(eviction_events)

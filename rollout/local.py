@@ -25,8 +25,10 @@ def ray_runtime_env() -> dict:
     return {"env_vars": env}
 
 
-def init_local_ray(num_cpus: int | None = None, log_to_driver: bool = False) -> bool:
-    """Start a local Ray (no dashboard, token auth off) unless one is running; True if started here."""
+def init_local_ray(num_cpus: int | None = None, log_to_driver: bool = False,
+                   metrics_export_port: int | None = None) -> bool:
+    """Start a local Ray (no dashboard, token auth off) unless one is running; True if started here.
+    `metrics_export_port`: where Ray serves Prometheus metrics (the rollout dashboard's source)."""
     import ray
 
     if ray.is_initialized():
@@ -34,7 +36,7 @@ def init_local_ray(num_cpus: int | None = None, log_to_driver: bool = False) -> 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("VERL_USE_EXTERNAL_MODULES", PLUGIN_MODULE)
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=log_to_driver,
-             runtime_env=ray_runtime_env())
+             runtime_env=ray_runtime_env(), _metrics_export_port=metrics_export_port)
     return True
 
 

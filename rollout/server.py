@@ -124,6 +124,7 @@ class KVTierServer:
         self.global_steps = None
         self.engine = None
         self._stats: _StatsFetcher | None = None
+        self._metrics = None
         self._sleep_supported = False
         self._sleep_note_logged = False
         # admission gate (abort_all_requests / resume_generation), as in verl's vLLM server
@@ -314,8 +315,20 @@ class KVTierServer:
         for key, field in STAT_FIELDS.items():
             extra[key] = (counters or {}).get(field, 0) if budget is not None else None
         num_preempted = extra["kvtier_preemptions"]
+        self._record_sample(len(token_ids), extra["kvtier_eviction_events"])
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop_reason,
                            num_preempted=num_preempted, extra_fields=extra)
+
+    def _record_sample(self, response_tokens: int, eviction_events: int | None) -> None:
+        """The rollout dashboard's metrics (best effort: a metrics failure never fails a sample)."""
+        try:
+            if self._metrics is None:
+                from kvtier.observability.exporters import RolloutMetricsExporter
+
+                self._metrics = RolloutMetricsExporter()
+            self._metrics.sample(response_tokens, eviction_events)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("kvtier rollout metrics: %s", exc)
 
     async def eviction_stats(self) -> dict[str, Any] | None:
         """Engine-wide eviction counters (rounds, tokens evicted, blocks freed, round latency)."""

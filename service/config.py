@@ -141,6 +141,9 @@ class ServerConfig(_Model):
     app_name: str = "kvtier"
     ray_address: str | None = None                  # None: start a local Ray; "auto" or host:port: join
     num_cpus: int | None = None                     # local Ray only
+    # Ray's Prometheus metrics export port on a local Ray (None: Ray picks one; `kvtier serve --prometheus`
+    # uses 8080 unless set). On a joined cluster the cluster's own setting applies.
+    metrics_export_port: int | None = Field(default=None, ge=1, le=65535)
     # Serve HTTP proxies: HeadOnly (one port on the head node) or EveryNode (a proxy per node).
     proxy_location: Literal["HeadOnly", "EveryNode"] = "HeadOnly"
     load_poll_s: float = Field(default=1.0, gt=0)   # how often the router reads engine load

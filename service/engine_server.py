@@ -137,26 +137,37 @@ class KVTierLLMServer(LLMServer):
 
     async def kvtier_load(self) -> dict[str, Any]:
         load = self.engine.load()
-        now = time.time()
-        if now - getattr(self, "_exported_at", 0.0) >= EXPORT_EVERY_S:  # off the poll's path
-            self._exported_at = now
-            asyncio.ensure_future(self._export_metrics(load))
+        exporter = self._metrics_exporter()
+        if exporter is not None:
+            exporter.update_load(load)   # gauges on every poll: Ray ages out gauges that are not refreshed
+            now = time.time()
+            if now - getattr(self, "_exported_at", 0.0) >= EXPORT_EVERY_S:  # off the poll's path
+                self._exported_at = now
+                asyncio.ensure_future(self._export_counters(exporter))
         return load
 
-    async def _export_metrics(self, load: dict[str, Any]) -> None:
-        """Every EXPORT_EVERY_S (piggybacking on the router's load polls), push the eviction counters, round
-        times and KV blocks as the catalog's Ray metrics. Best effort: metrics never fail a request."""
-        try:
-            if getattr(self, "_exporter", None) is None:
+    def _metrics_exporter(self):
+        """The catalog's engine metrics (created on first use; None if Ray metrics are unavailable)."""
+        if getattr(self, "_exporter", None) is None:
+            try:
                 from ray import serve
 
                 from kvtier.observability.exporters import EngineMetricsExporter
 
                 self._exporter = EngineMetricsExporter(serve.get_replica_context().deployment)
+            except Exception as exc:  # noqa: BLE001 - metrics never fail a request
+                logger.warning("kvtier metrics unavailable: %s", exc)
+                self._exporter = False
+        return self._exporter or None
+
+    async def _export_counters(self, exporter) -> None:
+        """Every EXPORT_EVERY_S (piggybacking on the router's load polls), push the eviction counters and
+        round times from the worker. Best effort: metrics never fail a request."""
+        try:
             client = self.engine._engine_client
             snap = (await client.collective_rpc("kvtier_eviction_stats", args=(None,)))[0]
             samples = (await client.collective_rpc("kvtier_drain_round_ms"))[0]
-            self._exporter.update(snap, load, samples)
+            exporter.update(snap, round_ms=samples)
         except Exception as exc:  # noqa: BLE001
             logger.warning("kvtier metrics export failed: %s", exc)
 

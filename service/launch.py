@@ -31,7 +31,8 @@ def _ray_init(cfg: ServiceConfig) -> bool:
         # A cluster of our own; token auth is for shared clusters (Ray 2.60 turns it on by default).
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address="local", num_cpus=cfg.server.num_cpus, include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=False)
+                 logging_level=logging.WARNING, log_to_driver=False,
+                 _metrics_export_port=cfg.server.metrics_export_port)
         return True
     ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     return False

@@ -1,15 +1,50 @@
-"""Router counters, in one place: routing decisions (by tier and reason) and rejections (by status and
-reason). Kept in-process for `/v1/kvtier/stats` and, inside Ray, exported as Ray metrics (Prometheus
-names get Ray's `ray_` prefix: `ray_kvtier_router_decisions_total{tier,reason}`,
-`ray_kvtier_router_rejections_total{status,reason}`) on the cluster's metrics export port."""
+"""Router metrics, in one place: routing decisions (by tier and reason), rejections (by status and
+reason), and per tier the tokens served, time to first token, end-to-end latency and streams the client
+hung up on. Kept in-process for `/v1/kvtier/stats` and, inside Ray, exported as Ray metrics under the
+names of `kvtier.observability.catalog` (Ray adds the `ray_` prefix and `_total` to counters) on the
+cluster's metrics export port.
+
+Token counts come from the engine's `usage` (the router asks the engine for it on every stream and drops
+the extra chunk when the client did not ask), so they count what finished requests returned; a stream
+the client abandons counts in `cancelled`, not in tokens."""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter as _Counter
+from collections import defaultdict
+from typing import Any
 
-DECISIONS = "kvtier_router_decisions"
-REJECTIONS = "kvtier_router_rejections"
+from kvtier.observability.catalog import get as catalog_metric
+
+TTFT_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+
+_RAY_METRICS = {  # attribute -> (catalog name, histogram boundaries)
+    "decisions": ("ray_kvtier_router_decisions_total", None),
+    "rejections": ("ray_kvtier_router_rejections_total", None),
+    "generation_tokens": ("ray_kvtier_router_generation_tokens_total", None),
+    "prompt_tokens": ("ray_kvtier_router_prompt_tokens_total", None),
+    "cancelled": ("ray_kvtier_router_cancelled_total", None),
+    "latency": ("ray_kvtier_router_request_latency_seconds", LATENCY_BOUNDARIES),
+    "ttft": ("ray_kvtier_router_ttft_seconds", TTFT_BOUNDARIES),
+}
+
+
+def _ray_metrics() -> dict[str, Any] | None:
+    """The router's Ray metrics, or None outside Ray (unit tests)."""
+    import ray
+    from ray.util import metrics
+
+    if not ray.is_initialized():
+        return None
+    out = {}
+    for attr, (name, boundaries) in _RAY_METRICS.items():
+        spec = catalog_metric(name)
+        cls = {"counter": metrics.Counter, "histogram": metrics.Histogram}[spec.type]
+        kw = {"boundaries": boundaries} if boundaries else {}
+        out[attr] = cls(spec.ray_name, description=spec.help, tag_keys=spec.labels, **kw)
+    return out
 
 
 class RouterMetrics:
@@ -17,36 +52,61 @@ class RouterMetrics:
         self._lock = threading.Lock()
         self.decisions: _Counter[tuple[str, str]] = _Counter()
         self.rejections: _Counter[tuple[int, str]] = _Counter()
-        self._ray = None
+        self.tiers: dict[str, _Counter[str]] = defaultdict(_Counter)
+        self._ray: dict[str, Any] | None = None
         if export:
             try:
-                import ray
-                from ray.util import metrics
-
-                if ray.is_initialized():
-                    self._ray = (
-                        metrics.Counter(DECISIONS, "Requests routed, by tier and reason.", tag_keys=("tier", "reason")),
-                        metrics.Counter(REJECTIONS, "Requests rejected by the router, by HTTP status and reason.",
-                                        tag_keys=("status", "reason")),
-                    )
+                self._ray = _ray_metrics()
             except Exception:  # metrics are best effort; routing must not depend on them
                 self._ray = None
+
+    def _inc(self, attr: str, value: float, tags: dict[str, str]) -> None:
+        if self._ray and value > 0:
+            self._ray[attr].inc(value, tags=tags)
+
+    def _observe(self, attr: str, value: float, tags: dict[str, str]) -> None:
+        if self._ray:
+            self._ray[attr].observe(value, tags=tags)
 
     def decision(self, tier: str, reason: str) -> None:
         with self._lock:
             self.decisions[(tier, reason)] += 1
-        if self._ray:
-            self._ray[0].inc(1, tags={"tier": tier, "reason": reason})
+        self._inc("decisions", 1, {"tier": tier, "reason": reason})
 
     def rejection(self, status: int, reason: str) -> None:
         with self._lock:
             self.rejections[(status, reason)] += 1
-        if self._ray:
-            self._ray[1].inc(1, tags={"status": str(status), "reason": reason})
+        self._inc("rejections", 1, {"status": str(status), "reason": reason})
+
+    def first_token(self, tier: str, seconds: float) -> None:
+        """First chunk of a stream (or the whole response) reached the client's connection."""
+        self._observe("ttft", seconds, {"tier": tier})
+
+    def finished(self, tier: str, seconds: float, usage: dict | None) -> None:
+        """A request answered in full; `usage` is the engine's OpenAI usage block (None: not reported)."""
+        prompt = int((usage or {}).get("prompt_tokens") or 0)
+        generated = int((usage or {}).get("completion_tokens") or 0)
+        with self._lock:
+            t = self.tiers[tier]
+            t["finished"] += 1
+            t["prompt_tokens"] += prompt
+            t["generation_tokens"] += generated
+        tags = {"tier": tier}
+        self._inc("prompt_tokens", prompt, tags)
+        self._inc("generation_tokens", generated, tags)
+        self._observe("latency", seconds, tags)
+
+    def cancelled(self, tier: str) -> None:
+        """The client hung up on a stream; the engine request was aborted."""
+        with self._lock:
+            self.tiers[tier]["cancelled"] += 1
+        self._inc("cancelled", 1, {"tier": tier})
 
     def snapshot(self) -> dict:
         with self._lock:
             return {
                 "decisions": [{"tier": t, "reason": r, "count": n} for (t, r), n in sorted(self.decisions.items())],
                 "rejections": [{"status": s, "reason": r, "count": n} for (s, r), n in sorted(self.rejections.items())],
+                "tiers": {tier: {k: c[k] for k in ("finished", "prompt_tokens", "generation_tokens", "cancelled")}
+                          for tier, c in sorted(self.tiers.items())},
             }

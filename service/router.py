@@ -83,6 +83,27 @@ def _looks_dead(message: str) -> bool:
     return any(s in message for s in ("EngineDead", "EngineCore encountered an issue", "engine is dead"))
 
 
+def _take_usage(item: str, keep_usage_chunk: bool) -> tuple[str, dict | None]:
+    """The usage block carried by a chunk of SSE events (the last one wins: usage is cumulative), and the
+    text with the usage-only chunk (`"choices": []`) removed when the client did not ask for usage. Only
+    events that mention a non-null usage are parsed."""
+    if '"usage"' not in item:
+        return item, None
+    usage, kept = None, []
+    for event in item.split("\n\n"):
+        if event.startswith("data: {") and '"usage"' in event:
+            try:
+                data = json.loads(event[len("data: "):])
+            except ValueError:
+                data = {}
+            if isinstance(data.get("usage"), dict):
+                usage = data["usage"]
+                if not keep_usage_chunk and data.get("choices") == []:
+                    continue
+        kept.append(event)
+    return "\n\n".join(kept), usage
+
+
 def _engine_failure(exc: BaseException, engine: str) -> ServeError:
     from ray.exceptions import RayError, RayTaskError
 
@@ -176,9 +197,12 @@ class KVTierRouter:
         payload["model"] = decision.model
         payload["vllm_xargs"] = {**(body.vllm_xargs or {}), **decision.tier.extra_args()}
         payload["request_id"] = request_id
+        if body.stream:  # the router counts tokens from the engine's usage chunk (dropped unless asked for)
+            payload["stream_options"] = {**(body.stream_options or {}), "include_usage": True}
         return payload
 
     async def _serve(self, request: Request, body: CompletionBody | ChatBody, kind: str) -> Response:
+        t0 = time.perf_counter()
         request_id = f"kvtier-{uuid.uuid4().hex}"
         try:
             decision = self._decide(request, body, kind)
@@ -207,11 +231,16 @@ class KVTierRouter:
                 return self._reject(ServeError(503, f"engine {decision.engine!r} failed: {message}",
                                                "engine-unavailable", headers={"retry-after": "5"}), headers)
             return self._reject(ServeError(status, message, "engine-rejected", err.get("param")), headers)
-        self.metrics.decision(decision.tier.name, decision.reason)
+        tier = decision.tier.name
+        self.metrics.decision(tier, decision.reason)
         if isinstance(first, dict):  # a whole (non-streaming) response
+            elapsed = time.perf_counter() - t0
+            self.metrics.first_token(tier, elapsed)
+            self.metrics.finished(tier, elapsed, first["response"].get("usage"))
             return JSONResponse(first["response"], headers=headers)
-        return StreamingResponse(self._stream(first, gen, decision.engine), media_type="text/event-stream",
-                                 headers=headers)
+        wants_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(self._stream(first, gen, decision.engine, tier, t0, wants_usage),
+                                 media_type="text/event-stream", headers=headers)
 
     async def _first_item(self, gen, engine: str):
         """The engine's first answer; gives up (503) as soon as the poller finds the engine gone, so a
@@ -236,13 +265,17 @@ class KVTierRouter:
         keep = {k: v for k, v in headers.items() if k != self.cfg.routing.reason_header}
         return error_response(exc.status, exc.message, exc.reason, exc.param, {**keep, **exc.headers})
 
-    async def _stream(self, first, gen, engine: str):
-        done = False
+    async def _stream(self, first, gen, engine: str, tier: str, t0: float, wants_usage: bool):
+        done, usage = False, None
         try:
             item = first
+            self.metrics.first_token(tier, time.perf_counter() - t0)
             while True:
                 done = done or "data: [DONE]" in item
-                yield item
+                item, found = _take_usage(item, keep_usage_chunk=wants_usage)
+                usage = found or usage
+                if item:
+                    yield item
                 try:
                     item = await gen.__anext__()
                 except StopAsyncIteration:
@@ -250,6 +283,7 @@ class KVTierRouter:
             if not done:
                 yield "data: [DONE]\n\n"
                 done = True
+            self.metrics.finished(tier, time.perf_counter() - t0, usage)
         except Exception as exc:  # noqa: BLE001 - the engine died mid-stream: tell the client, then stop
             err = _engine_failure(exc, engine)
             self.metrics.rejection(err.status, err.reason)
@@ -259,6 +293,7 @@ class KVTierRouter:
         finally:
             if not done:  # client went away: cancel the engine request so its KV blocks are freed
                 gen.cancel()
+                self.metrics.cancelled(tier)
 
     # -- endpoints ----------------------------------------------------------------------------------
     @app.post("/v1/completions", responses=ERROR_RESPONSES)

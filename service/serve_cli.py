@@ -25,6 +25,13 @@ def serve_command(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="Service YAML (default: configs/local.yaml)."),
     host: Optional[str] = typer.Option(None, help="Override server.host."),
     port: Optional[int] = typer.Option(None, help="Override server.port."),
+    prometheus: bool = typer.Option(False, "--prometheus", help="Also start Debian's Prometheus on 127.0.0.1, "
+                                    "scraping Ray's metrics export port (configs/prometheus.yml)."),
+    prometheus_port: int = typer.Option(9090, help="Prometheus's port with --prometheus."),
+    scrape_interval: Optional[float] = typer.Option(None, help="Prometheus's scrape interval in seconds with "
+                                                    "--prometheus (default: configs/prometheus.yml, 5 s)."),
+    metrics_port: Optional[int] = typer.Option(None, help="Ray's metrics export port (server.metrics_export_port; "
+                                               "8080 with --prometheus unless set)."),
 ) -> None:
     """Serve the OpenAI-compatible API with KV-memory tiers on Ray Serve."""
     from .config import DEFAULT_CONFIG, ConfigError, load_config
@@ -36,6 +43,18 @@ def serve_command(
     except ConfigError as exc:
         typer.echo(f"kvtier serve: {exc}", err=True)
         raise typer.Exit(2) from None
+    if metrics_port is not None or (prometheus and cfg.server.metrics_export_port is None):
+        cfg.server.metrics_export_port = metrics_port or 8080
+    if prometheus:
+        from kvtier.observability.prometheus import binary
+
+        if binary() is None:
+            typer.echo("kvtier serve: --prometheus needs Debian's prometheus (apt-get install prometheus, "
+                       "or `make system-deps`)", err=True)
+            raise typer.Exit(2)
+        if cfg.server.ray_address is not None:
+            typer.echo("kvtier serve: --prometheus scrapes a local Ray only (server.ray_address is set)", err=True)
+            raise typer.Exit(2)
     typer.echo(f"kvtier serve: config {path}")
     for t in cfg.tiers:
         budget = "full attention" if not t.compressed else f"K={t.budget} r={t.buffer} policy={t.policy}"
@@ -44,7 +63,7 @@ def serve_command(
         typer.echo("kvtier serve: OPEN MODE - no API keys configured; anyone who can reach the port may use every tier")
     stop_event = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
-    running = None
+    running = prom = None
     try:
         typer.echo("kvtier serve: starting Ray and the engines (about a minute on CPU) ...")
         running = start(cfg, host=host, port=port)
@@ -54,12 +73,24 @@ def serve_command(
         if not cfg.open_mode:
             key = "$KVTIER_API_KEY"
         typer.echo("Example request:\n  " + example_request(running.url, cfg.model_ids[0], key))
+        if cfg.server.metrics_export_port:
+            typer.echo(f"kvtier serve: Ray metrics at http://127.0.0.1:{cfg.server.metrics_export_port}/metrics")
+        if prometheus:
+            from kvtier.observability.prometheus import LocalPrometheus
+
+            prom = LocalPrometheus([f"127.0.0.1:{cfg.server.metrics_export_port}"], prometheus_port,
+                                   scrape_interval_s=scrape_interval)
+            prom.wait_ready()
+            typer.echo(f"kvtier serve: Prometheus at {prom.url} (scraping 127.0.0.1:{cfg.server.metrics_export_port}; "
+                       "dashboards: kvtier dashboards export|push)")
         while not stop_event.wait(1.0):
             pass
     except KeyboardInterrupt:
         pass
     finally:
         typer.echo("kvtier serve: shutting down ...")
+        if prom is not None:
+            prom.stop()
         stop(running)
         typer.echo("kvtier serve: stopped")
 

@@ -34,14 +34,15 @@ def service_env(**extra: str) -> dict[str, str]:
 class ServeProcess:
     """`kvtier serve --config FILE --port N` in its own process group; output goes to a log file."""
 
-    def __init__(self, config: dict, tmp: Path, name: str = "service", env: dict[str, str] | None = None):
+    def __init__(self, config: dict, tmp: Path, name: str = "service", env: dict[str, str] | None = None,
+                 args: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = tmp / f"{name}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([KVTIER, "serve", "--config", str(self.config_path), "--port", str(self.port)],
+        self.proc = subprocess.Popen([KVTIER, "serve", "--config", str(self.config_path), "--port", str(self.port), *args],
                                      stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env or service_env(),
                                      start_new_session=True)
         self.ready_after: float | None = None
@@ -49,10 +50,10 @@ class ServeProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 600) -> float:
+    def wait_ready(self, timeout: float = 600, line: str = "READY at") -> float:
         t0 = time.time()
         while time.time() - t0 < timeout:
-            if "READY at" in self.log():
+            if line in self.log():
                 self.ready_after = time.time() - t0
                 return self.ready_after
             if self.proc.poll() is not None:

@@ -1,6 +1,9 @@
 """The engine exporter turns cumulative worker counters into catalog-named Ray metrics (deltas)."""
 
+import json
 from collections import defaultdict
+
+import pytest
 
 from kvtier.observability.catalog import by_name
 from kvtier.observability.exporters import EngineMetricsExporter
@@ -17,15 +20,19 @@ class FakeMetrics:
             def __init__(self, name, description="", tag_keys=(), boundaries=None):
                 self.name, self.tag_keys = name, tuple(tag_keys)
 
-            def inc(self, value=1.0, tags=None):
+            def _record(self, kind, value, tags):
+                tags = dict(tags or {})
                 assert set(tags) == set(self.tag_keys), (self.name, tags)
-                fake.calls[self.name].append(("inc", value, dict(tags)))
+                fake.calls[self.name].append((kind, value, tags))
+
+            def inc(self, value=1.0, tags=None):
+                self._record("inc", value, tags)
 
             def set(self, value, tags=None):
-                fake.calls[self.name].append(("set", value, dict(tags)))
+                self._record("set", value, tags)
 
             def observe(self, value, tags=None):
-                fake.calls[self.name].append(("observe", value, dict(tags)))
+                self._record("observe", value, tags)
 
         self.Counter = self.Gauge = self.Histogram = _Metric
 
@@ -48,3 +55,72 @@ def test_exporter_sends_deltas_under_catalog_names():
     assert [c[1] for c in fake.calls[by_name("ray_kvtier_eviction_round_seconds").ray_name]] == [0.0015, 0.002]
     assert [c[1] for c in fake.calls[by_name("ray_kvtier_kv_blocks_used").ray_name]] == [6, 4]
     assert [c[1] for c in fake.calls[by_name("ray_kvtier_kv_blocks_free").ray_name]] == [10, 12]
+
+
+def test_exporter_refreshes_load_gauges_on_every_poll():
+    fake = FakeMetrics()
+    exp = EngineMetricsExporter("engine-cpu", metrics_module=lambda: fake)
+    exp.update_load({"free_blocks": 16, "total_blocks": 16, "running": 0, "waiting": 0})
+    exp.update_load({"free_blocks": 9, "total_blocks": 16, "running": 3, "waiting": 2})
+    tags = {"deployment": "engine-cpu"}
+    assert fake.calls[by_name("ray_kvtier_requests_running").ray_name] == [("set", 0, tags), ("set", 3, tags)]
+    assert fake.calls[by_name("ray_kvtier_requests_waiting").ray_name] == [("set", 0, tags), ("set", 2, tags)]
+    assert fake.calls[by_name("ray_kvtier_kv_blocks_used").ray_name] == [("set", 0, tags), ("set", 7, tags)]
+
+
+
+def test_router_takes_usage_from_the_stream_and_drops_the_chunk_unless_asked():
+    pytest.importorskip("ray.serve")
+    from kvtier.service.router import _take_usage
+
+    token = 'data: {"choices":[{"index":0,"text":"a"}],"usage":null}\n\n'
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    last = f'data: {json.dumps({"choices": [], "usage": usage})}\n\ndata: [DONE]\n\n'
+    assert _take_usage(token, keep_usage_chunk=False) == (token, None)
+    assert _take_usage(last, keep_usage_chunk=False) == ("data: [DONE]\n\n", usage)
+    assert _take_usage(last, keep_usage_chunk=True) == (last, usage)
+    only = f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'
+    assert _take_usage(only, keep_usage_chunk=False) == ("", usage)
+
+
+def test_router_metrics_count_tokens_latency_and_hang_ups_per_tier(monkeypatch):
+    from kvtier.service import metrics as service_metrics
+
+    fake = FakeMetrics()
+    monkeypatch.setattr(service_metrics, "_ray_metrics", lambda: {
+        attr: getattr(fake, "Counter")(by_name(name).ray_name, tag_keys=by_name(name).labels)
+        for attr, (name, _) in service_metrics._RAY_METRICS.items()})
+    m = service_metrics.RouterMetrics()
+    m.decision("k64", "explicit")
+    m.first_token("k64", 0.2)
+    m.finished("k64", 1.5, {"prompt_tokens": 12, "completion_tokens": 30})
+    m.finished("k64", 0.5, None)        # an engine that reported no usage: latency only
+    m.cancelled("full")
+    m.rejection(401, "unauthorized")
+    snap = m.snapshot()
+    assert snap["tiers"] == {"full": {"finished": 0, "prompt_tokens": 0, "generation_tokens": 0, "cancelled": 1},
+                             "k64": {"finished": 2, "prompt_tokens": 12, "generation_tokens": 30, "cancelled": 0}}
+    c = fake.calls
+    assert c["kvtier_router_generation_tokens"] == [("inc", 30, {"tier": "k64"})]
+    assert c["kvtier_router_prompt_tokens"] == [("inc", 12, {"tier": "k64"})]
+    assert c["kvtier_router_request_latency_seconds"] == [("observe", 1.5, {"tier": "k64"}),
+                                                          ("observe", 0.5, {"tier": "k64"})]
+    assert c["kvtier_router_ttft_seconds"] == [("observe", 0.2, {"tier": "k64"})]
+    assert c["kvtier_router_cancelled"] == [("inc", 1, {"tier": "full"})]
+    assert c["kvtier_router_rejections"] == [("inc", 1, {"status": "401", "reason": "unauthorized"})]
+
+
+def test_rollout_exporter_records_each_sample_under_catalog_names():
+    from kvtier.observability.exporters import RolloutMetricsExporter
+
+    fake = FakeMetrics()
+    exp = RolloutMetricsExporter(metrics_module=lambda: fake)
+    exp.sample(160, 5)
+    exp.sample(0, None)       # aborted/empty and uncompressed: length observed, no evictions, no tokens
+    names = {m: by_name(m).ray_name for m in ("ray_kvtier_rollout_generation_tokens_total",
+                                              "ray_kvtier_rollout_response_length_tokens",
+                                              "ray_kvtier_rollout_evictions_per_sample")}
+    c = fake.calls
+    assert c[names["ray_kvtier_rollout_generation_tokens_total"]] == [("inc", 160, {})]
+    assert c[names["ray_kvtier_rollout_response_length_tokens"]] == [("observe", 160, {}), ("observe", 0, {})]
+    assert c[names["ray_kvtier_rollout_evictions_per_sample"]] == [("observe", 5, {})]

@@ -58,6 +58,22 @@ def _stock_vllm_process(model_dir: str) -> subprocess.Popen:
                             text=True)
 
 
+def _start_prometheus(tmp_path_factory):
+    """Debian's Prometheus scraping this module's Ray (the rollout dashboard's live check), if installed."""
+    from kvtier.observability.prometheus import LocalPrometheus, binary
+    from service_helpers import free_port
+
+    if binary() is None:
+        return None
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"   # Ray's exporter push period (10 s by default)
+    metrics_port = free_port()
+    prom = LocalPrometheus([f"127.0.0.1:{metrics_port}"], free_port(), scrape_interval_s=1,
+                           data_dir=tmp_path_factory.mktemp("rollout_prom"))
+    prom.metrics_port = metrics_port
+    prom.wait_ready()
+    return prom
+
+
 @pytest.fixture(scope="module")
 def rollout(tiny_model_dir, tmp_path_factory):
     """The stock reference runs first (its engine is gone before kvtier's starts); Ray starts meanwhile."""
@@ -73,7 +89,8 @@ def rollout(tiny_model_dir, tmp_path_factory):
             kv_cache_bytes=32 << 20, audit_log=audit, seed=0, max_model_len=2048))
         if ray.is_initialized():  # a leftover from an earlier module; this module needs its runtime env
             ray.shutdown()
-        started = init_local_ray(num_cpus=2)
+        prom = _start_prometheus(tmp_path_factory)
+        started = init_local_ray(num_cpus=2, metrics_export_port=prom.metrics_port if prom else None)
         t_ray = time.perf_counter()
         out, err = stock.communicate(timeout=600)
     finally:
@@ -88,6 +105,7 @@ def rollout(tiny_model_dir, tmp_path_factory):
         local = LocalRollout(config)
         local.audit_log = audit
         local.stock_greedy = json.loads(line[len("RESULT"):])
+        local.prometheus = prom
         print(f"\n[test_rollout] ray {t_ray - t0:.1f}s, stock vLLM reference done at {t_stock - t0:.1f}s, "
               f"verl servers + agent loop at {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         yield local
@@ -96,6 +114,8 @@ def rollout(tiny_model_dir, tmp_path_factory):
             local.close()
         if started:
             ray.shutdown()
+        if prom is not None:
+            prom.stop()
 
 
 @pytest.fixture(scope="module")
@@ -331,3 +351,35 @@ def test_weight_update_from_trainer_changes_outputs_to_the_new_weights(rollout, 
     asyncio.run(adapter.update_weights(iter(old_model.state_dict().items()), global_steps=4))
     restored = generate(rollout, prompt, temperature=0, max_tokens=n, ignore_eos=True, kvtier_budget=None)
     assert restored.token_ids == before.token_ids
+
+
+def test_rollout_dashboard_reads_the_samples_from_a_live_prometheus(rollout):
+    """Prometheus scrapes the rollout servers' Ray metrics: a batch moves the token counter by its response
+    tokens and each histogram by one observation per sample; every rollout-dashboard query returns data."""
+    from prom_helpers import empty_panel_queries, ray_histogram_sum, settled, wait_deltas
+
+    from kvtier.observability import dashboards
+    from kvtier.observability.exporters import EVICTIONS_BOUNDARIES, RESPONSE_LENGTH_BOUNDARIES
+    from kvtier.rollout.local import chat_batch
+
+    prom = rollout.prometheus
+    if prom is None:
+        pytest.skip("Debian's prometheus is not installed (make system-deps)")
+    tokens, lengths = "sum(ray_kvtier_rollout_generation_tokens_total)", "ray_kvtier_rollout_response_length_tokens"
+    evictions = "ray_kvtier_rollout_evictions_per_sample"
+    before = {e: settled(prom, e) for e in (tokens, f"sum({lengths}_count)", f"sum({lengths}_sum)",
+                                           f"sum({evictions}_count)", f"sum({evictions}_sum)")}
+    out = rollout.generate_sequences(chat_batch(CHAT_PROMPTS))
+    n = len(CHAT_PROMPTS)
+    generated = int(out.batch["response_mask"].sum())
+    per_sample = [int(x) for x in out.non_tensor_batch["kvtier_eviction_events"]]
+    assert sum(per_sample) > 0
+    # Ray exports a histogram's _sum from bucket midpoints (see kvtier.observability.catalog)
+    lens = out.batch["response_mask"].sum(-1).tolist()
+    expected = {tokens: generated, f"sum({lengths}_count)": n,
+                f"sum({lengths}_sum)": ray_histogram_sum(lens, RESPONSE_LENGTH_BOUNDARIES),
+                f"sum({evictions}_count)": n, f"sum({evictions}_sum)": ray_histogram_sum(per_sample, EVICTIONS_BOUNDARIES)}
+    wait_deltas(prom, before, expected)
+    queries = dashboards.panel_queries(dashboards.to_dict(dashboards.rollout()))
+    assert len(queries) >= 10
+    assert not (empty := empty_panel_queries(prom, queries)), empty

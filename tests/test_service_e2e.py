@@ -257,19 +257,23 @@ def test_fuzz_openapi_schema_finds_no_5xx(service, http):
 # -- disconnects and engine failures ----------------------------------------------------------------------
 def test_client_disconnect_mid_stream_frees_kv_blocks(client, http):
     idle = wait_idle(http)
+    hung_up = http.get("/v1/kvtier/stats").json()["router"]["tiers"].get("full", {}).get("cancelled", 0)
     with client.chat.completions.with_streaming_response.create(
             model=MODEL, messages=[{"role": "user", "content": "Write a very long story."}], max_tokens=1800,
             stream=True, extra_body={"tier": "full", **NO_EOS}) as resp:
         n = 0
         for line in resp.iter_lines():
             n += line.startswith("data: ")
-            if n >= 150:  # past the first KV block: the request holds 2 blocks now
+            if n >= 3:  # generating: ~1800 tokens still to go (~25 s on the tiny model), KV blocks held
                 break
-        assert n >= 150, n
-        busy = engine_state(http)
+        t0 = time.time()   # the load the router polls can trail the first chunks by an engine step or so
+        while (busy := engine_state(http))["running"] != 1 and time.time() - t0 < 5:
+            time.sleep(0.2)
         assert busy["running"] == 1 and busy["free_blocks"] < idle["total_blocks"], busy
     back = wait_idle(http, timeout=30)   # hung up: the engine aborts the request and frees its blocks
     assert back["free_blocks"] == idle["free_blocks"] == idle["total_blocks"]
+    # the router saw the hang-up (an aborted request, not one that ran to its end)
+    assert http.get("/v1/kvtier/stats").json()["router"]["tiers"]["full"]["cancelled"] == hung_up + 1
 
 
 def test_killed_engine_replica_restarts_and_in_flight_requests_get_503(service, client, http):

@@ -1,0 +1,69 @@
+"""Helpers for the live-Prometheus tests: dashboard PromQL as Grafana sends it, and polling."""
+
+from __future__ import annotations
+
+import re
+import time
+
+WINDOW = "10m"   # $__rate_interval: each live test's load fits in it
+
+
+def expand(expr: str) -> str:
+    """A panel's PromQL with Grafana's variables as a dashboard set to 'All' sends them."""
+    expr = expr.replace("$__rate_interval", WINDOW)
+    return re.sub(r"\$\{?(model_name|deployment|tier)\}?", ".*", expr)
+
+
+def wait_for(what: str, check, timeout: float = 90):
+    """Poll until check() returns a truthy value (Ray exports and Prometheus scrapes every second here)."""
+    t0, last = time.time(), None
+    while time.time() - t0 < timeout:
+        try:
+            last = check()
+            if last:
+                return last
+        except (AssertionError, TypeError) as exc:  # a value not there yet
+            last = exc
+        time.sleep(1)
+    raise AssertionError(f"{what}: not satisfied after {timeout} s (last: {last})")
+
+
+def settled(prom, expr: str, quiet_s: float = 4, timeout: float = 60) -> float:
+    """The value of expr once it has not changed for quiet_s (everything done so far is exported)."""
+    t0 = time.time()
+    value, since = prom.value(expr), time.time()
+    while time.time() - t0 < timeout:
+        time.sleep(1)
+        now = prom.value(expr)
+        if now != value:
+            value, since = now, time.time()
+        elif time.time() - since >= quiet_s:
+            return value or 0.0
+    raise AssertionError(f"{expr} did not settle in {timeout} s")
+
+
+def empty_panel_queries(prom, queries) -> list[tuple[str, str]]:
+    """(title, expanded expr) of every query that returns no series (a PromQL error raises)."""
+    return [(title, expand(expr)) for title, expr in queries if not prom.query(expand(expr))]
+
+
+def wait_deltas(prom, before: dict[str, float], expected: dict[str, float], timeout: float = 60) -> None:
+    """Wait until every expression moved from `before` by exactly `expected`; report the last deltas."""
+    t0, deltas = time.time(), {}
+    while time.time() - t0 < timeout:
+        deltas = {e: (prom.value(e) or 0.0) - before[e] for e in expected}
+        if deltas == expected:
+            return
+        time.sleep(1)
+    raise AssertionError(f"deltas {deltas} != expected {expected} after {timeout} s")
+
+
+def ray_histogram_sum(values, boundaries) -> float:
+    """The `_sum` Ray 2.60 exports for these observations: each counts as its bucket's midpoint (the first
+    bucket's lower edge is 0; +Inf counts as twice the last boundary)."""
+    edges = [0.0, *boundaries]
+    total = 0.0
+    for v in values:
+        i = next((k for k, b in enumerate(boundaries) if v <= b), None)
+        total += 2.0 * boundaries[-1] if i is None else (edges[i] + edges[i + 1]) / 2.0
+    return total

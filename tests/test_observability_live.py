@@ -1,0 +1,182 @@
+"""Live metrics: `kvtier serve --prometheus` runs the service and Debian's Prometheus on 127.0.0.1, which
+scrapes Ray's metrics export port while the test sends a short, known load. Every PromQL expression of
+every operations-dashboard panel (and every template variable) must return data, and the numbers must
+agree with the load sent: requests and tokens per tier, a forced preemption, eviction counters equal to
+the engine's own, the hang-up and the rejection. The rollout dashboard is checked live in
+tests/test_rollout.py."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("ray.serve")
+pytest.importorskip("vllm")
+
+from kvtier.observability import dashboards  # noqa: E402
+from kvtier.observability.prometheus import PrometheusAPI, binary  # noqa: E402
+from prom_helpers import WINDOW, empty_panel_queries, wait_for  # noqa: E402
+from service_helpers import ServeProcess, free_port, run_in_thread, service_env  # noqa: E402
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900),
+              pytest.mark.skipif(binary() is None, reason="Debian's prometheus is not installed (make system-deps)")]
+
+KEY = "sk-ops"
+MODEL = "tiny"
+FULL_REQUESTS, FULL_TOKENS = 8, 600       # 8 x ~5 blocks > the 23-block pool: vLLM must preempt
+K100_REQUESTS, K100_TOKENS = 4, 300       # compressed: K + 2r = 140 tokens (2 blocks), each round frees one
+
+
+def config() -> dict:
+    return {
+        "server": {"load_poll_s": 0.5, "request_timeout_s": 300},
+        "routing": {"on_pressure": "fallback"},
+        "engines": {"cpu": {
+            "model": "tiny", "model_id": MODEL, "max_model_len": 1024, "kv_cache_bytes": "6MiB",
+            "engine_kwargs": {"max_num_seqs": 8, "enforce_eager": True},
+            "pressure": {"kv_usage": 1.0, "queue_depth": 64},
+        }},
+        "tiers": [
+            {"name": "full", "engine": "cpu", "budget": "full"},
+            {"name": "k100", "engine": "cpu", "budget": 100, "buffer": 20},
+        ],
+        "tenants": {"ops": {"api_keys": [KEY]}},
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """`kvtier serve --prometheus` (as `make serve PROMETHEUS=1` runs it): the service with Ray's metrics on
+    metrics_port and Debian's Prometheus on prom_port scraping it every second."""
+    tmp = tmp_path_factory.mktemp("obs")
+    metrics_port, prom_port = free_port(), free_port()
+    # Ray's default export cadence (10 s): its metrics agent keeps a gauge for two intervals, and Serve
+    # refreshes its replica gauges on health checks (every 10 s), so a faster cadence would drop them
+    svc = ServeProcess(config(), tmp, env=service_env(),
+                       args=("--prometheus", "--prometheus-port", str(prom_port), "--metrics-port", str(metrics_port),
+                             "--scrape-interval", "1"))
+    prom = PrometheusAPI(f"http://127.0.0.1:{prom_port}")
+    try:
+        svc.wait_ready(line="kvtier serve: Prometheus at")
+        assert f"Ray metrics at http://127.0.0.1:{metrics_port}/metrics" in svc.log()
+        wait_for("scrape target up", lambda: [t["health"] for t in prom.targets()] == ["up"], timeout=30)
+        yield svc, prom
+    finally:
+        prom.close()
+        code = svc.stop()
+        assert code == 0, svc.log()[-3000:]
+        assert "kvtier serve: stopped" in svc.log()
+        with pytest.raises(httpx.TransportError):       # Prometheus stopped with the service
+            httpx.get(f"http://127.0.0.1:{prom_port}/-/ready", timeout=5)
+
+
+@pytest.fixture(scope="module")
+def load(stack):
+    """The load, sent once: what each tier must show in Prometheus."""
+    svc, _ = stack
+    http = httpx.Client(base_url=svc.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+
+    def complete(tier: str, tokens: int) -> dict:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": tokens,
+                                               "tier": tier, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    def stream(tier: str, tokens: int) -> int:
+        got = 0
+        with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Count to a thousand",
+                                                           "max_tokens": tokens, "tier": tier, "stream": True,
+                                                           "ignore_eos": True}) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                assert '"usage"' not in line or '"usage":null' in line.replace(" ", ""), line  # not asked for
+                got += line.startswith("data: {")
+        return got
+
+    threads = [run_in_thread(complete, "full", FULL_TOKENS) for _ in range(FULL_REQUESTS)]
+    threads += [run_in_thread(stream, "k100", K100_TOKENS) for _ in range(K100_REQUESTS)]
+    # one stream the client abandons, and one request with a wrong key
+    with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Go", "max_tokens": 900,
+                                                       "tier": "full", "stream": True, "ignore_eos": True}) as r:
+        for _ in zip(range(3), r.iter_lines()):
+            pass
+    bad = httpx.post(svc.url + "/v1/completions", json={"model": MODEL, "prompt": "x"},
+                     headers={"Authorization": "Bearer sk-wrong"})
+    assert bad.status_code == 401
+    results = []
+    for t, box in threads:
+        t.join(300)
+        assert "error" not in box, box.get("error")
+        results.append(box["result"])
+    usages = results[:FULL_REQUESTS]
+    assert all(u["completion_tokens"] == FULL_TOKENS for u in usages)
+    assert all(n >= 1 for n in results[FULL_REQUESTS:])
+    t0 = time.time()
+    while True:  # the engine aborts the abandoned stream and goes idle
+        st = http.get("/v1/kvtier/stats", params={"eviction": "true"}).json()["engines"]["cpu"]
+        if st["running"] == 0 and st["waiting"] == 0:
+            break
+        assert time.time() - t0 < 60, st
+        time.sleep(0.5)
+    http.close()
+    return {"full_prompt_tokens": sum(u["prompt_tokens"] for u in usages), "eviction": st["eviction"],
+            "total_blocks": st["total_blocks"]}
+
+
+def test_counters_agree_with_the_load(stack, load):
+    _, prom = stack
+    by_tier = lambda name: {s["metric"]["tier"]: float(s["value"][1])  # noqa: E731
+                            for s in prom.query(f"sum by (tier) ({name})")}
+
+    # requests per tier (the abandoned stream is a routed `full` request too) and the hang-up
+    wait_for("decisions", lambda: by_tier("ray_kvtier_router_decisions_total")
+              == {"full": FULL_REQUESTS + 1, "k100": K100_REQUESTS})
+    wait_for("hang-ups", lambda: by_tier("ray_kvtier_router_cancelled_total") == {"full": 1})
+    # tokens of requests answered in full (the engine's usage; the abandoned stream is not counted)
+    wait_for("generated tokens", lambda: by_tier("ray_kvtier_router_generation_tokens_total")
+              == {"full": FULL_REQUESTS * FULL_TOKENS, "k100": K100_REQUESTS * K100_TOKENS})
+    prompts = wait_for("prompt tokens", lambda: by_tier("ray_kvtier_router_prompt_tokens_total"))
+    assert prompts["full"] == load["full_prompt_tokens"]
+    assert prompts["k100"] > 0
+    wait_for("latency observations", lambda: by_tier("ray_kvtier_router_request_latency_seconds_count")
+              == {"full": FULL_REQUESTS, "k100": K100_REQUESTS})
+    wait_for("rejections", lambda: prom.value(
+        'sum(ray_kvtier_router_rejections_total{status="401", reason="unauthorized"})') == 1)
+
+    # the engine: every token it generated (warm-up and the abandoned stream included), a forced preemption
+    served = FULL_REQUESTS * FULL_TOKENS + K100_REQUESTS * K100_TOKENS
+    gen = wait_for("vLLM tokens", lambda: prom.value("sum(ray_vllm_generation_tokens_total)") >= served
+                    and prom.value("sum(ray_vllm_generation_tokens_total)"))
+    assert gen < served + 900 + 50, gen
+    wait_for("preemptions", lambda: prom.value("sum(ray_vllm_num_preemptions_total)") >= 1)
+
+    # kvtier's eviction counters are the engine's own, exported every few seconds
+    ev = load["eviction"]
+    assert ev["events"] > 0 and ev["blocks_freed"] > 0, ev
+    wait_for("eviction events", lambda: prom.value("sum(ray_kvtier_eviction_events_total)") == ev["events"])
+    assert prom.value('sum(ray_kvtier_tokens_evicted_total{policy="random"})') == ev["tokens_evicted"]
+    assert prom.value("sum(ray_kvtier_kv_blocks_freed_total)") == ev["blocks_freed"]
+    assert (prom.value("sum(ray_kvtier_preemptions_compressed_total)") or 0) == ev["preemptions_compressed"]
+    wait_for("idle pool", lambda: prom.value("sum(ray_kvtier_kv_blocks_used)") == 0
+              and prom.value("sum(ray_kvtier_kv_blocks_free)") == load["total_blocks"])
+    assert prom.value("sum(ray_kvtier_eviction_round_seconds_count)") > 0
+    # the batch: kvtier's gauges, refreshed on every load poll, saw a batch of at most max_num_seqs = 8
+    peak = prom.value(f"max(max_over_time(ray_kvtier_requests_running[{WINDOW}]))")
+    assert 2 <= peak <= 8, peak
+    assert prom.value("sum(ray_kvtier_requests_running)") == 0 and prom.value("sum(ray_kvtier_requests_waiting)") == 0
+
+
+def test_every_operations_panel_query_returns_data(stack, load):
+    _, prom = stack
+    data = dashboards.to_dict(dashboards.operations())
+    queries = dashboards.panel_queries(data)
+    assert len(queries) >= 25
+    wait_for("eviction exported", lambda: prom.value("sum(ray_kvtier_eviction_events_total)"))
+    assert not (empty := empty_panel_queries(prom, queries)), empty
+    for name, query in dashboards.variable_queries(data):
+        metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", query).groups()
+        assert prom.label_values(label, metric), (name, query)
+    assert set(prom.label_values("tier", "ray_kvtier_router_decisions_total")) == {"full", "k100"}
