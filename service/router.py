@@ -86,12 +86,12 @@ def _looks_dead(message: str) -> bool:
 def _take_usage(item: str, keep_usage_chunk: bool) -> tuple[str, dict | None]:
     """The usage block carried by a chunk of SSE events (the last one wins: usage is cumulative), and the
     text with the usage-only chunk (`"choices": []`) removed when the client did not ask for usage. Only
-    events that mention a non-null usage are parsed."""
-    if '"usage"' not in item:
+    events carrying a usage object are parsed (pydantic's compact JSON or json.dumps spacing)."""
+    if '"usage":{' not in item and '"usage": {' not in item:   # the common case: a token chunk, no usage
         return item, None
     usage, kept = None, []
     for event in item.split("\n\n"):
-        if event.startswith("data: {") and '"usage"' in event:
+        if event.startswith("data: {") and ('"usage":{' in event or '"usage": {' in event):
             try:
                 data = json.loads(event[len("data: "):])
             except ValueError:
@@ -151,12 +151,14 @@ class KVTierRouter:
             raw = await asyncio.wait_for(self.engines[name].kvtier_load.remote(), timeout=max(2.0, 2 * poll))
         except Exception as exc:  # noqa: BLE001 - any failure means "not answering"
             state["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            if not state.get("answered") and not _is_dead(exc):
+                return  # still starting: Serve queues requests until the replica is up
             state["healthy"] = time.time() - state["last_ok"] < max(4.0, 4 * poll) and not _is_dead(exc)
             if not state["healthy"]:
                 self.loads.pop(name, None)
                 self.down[name].set()
             return
-        state.update(raw, healthy=not raw.get("errored"), last_ok=time.time(), error=None)
+        state.update(raw, healthy=not raw.get("errored"), last_ok=time.time(), error=None, answered=True)
         self.down[name].clear()
         self.loads[name] = EngineLoad(kv_usage=raw["kv_usage"], waiting=raw["waiting"], running=raw["running"])
 
