@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -57,10 +58,22 @@ def apply_plan_dense(cache: Tensor, plan: CompactionPlan) -> None:
     if plan.src.numel() == 0:
         return
     H = cache.shape[0]
-    rows = _wide_rows(cache.view(H * cache.shape[1], -1))
     base = (torch.arange(H, device=cache.device) * cache.shape[1]).unsqueeze(1)
-    # Read all sources before writing (a full gather's sources and destinations overlap).
-    rows.index_copy_(0, (plan.dst + base).reshape(-1), rows.index_select(0, (plan.src + base).reshape(-1)))
+    copy_rows(cache.view(H * cache.shape[1], -1), (plan.dst + base).reshape(-1), (plan.src + base).reshape(-1))
+
+
+def copy_rows(rows: Tensor, dst: Tensor, src: Tensor) -> None:
+    """rows[dst] = rows[src] for the rows of a 2-D tensor; every source is read before any write (a full
+    gather's sources and destinations overlap). Destinations must be distinct."""
+    if rows.device.type == "cpu" and rows.is_contiguous() and dst.device.type == "cpu":
+        # numpy moves a row as one fixed-size element (a memcpy per row); torch's CPU index_copy_ goes
+        # element by element, several times slower for 256-byte K/V rows
+        nbytes = rows.shape[1] * rows.element_size()
+        as_void = rows.view(torch.uint8).numpy().view(np.dtype((np.void, nbytes))).reshape(-1)
+        np.put(as_void, dst.numpy(), np.take(as_void, src.numpy()))
+        return
+    wide = _wide_rows(rows)
+    wide.index_copy_(0, dst, wide.index_select(0, src))
 
 
 def _wide_rows(rows: Tensor) -> Tensor:

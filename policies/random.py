@@ -29,21 +29,25 @@ class RandomPolicy(EvictionPolicy):
         self._validate(ctx)
         H, S = ctx.positions.shape
         n_evict = max(S - ctx.budget, 0)
-        protected = self.protected_mask(ctx)
         n_prot = self.protected_len(ctx.prompt_len)
         # Hole-filling caches keep the protected positions in the first slots (they are never holes and
         # never in the moved tail), so victims can be drawn straight from the slot range after them.
-        if type(self).score is RandomPolicy.score and _is_prefix(protected, n_prot):
+        if type(self).score is RandomPolicy.score and _protected_is_prefix(ctx.positions, n_prot):
             return sample_distinct(H, S - n_prot, n_evict, ctx.generator, ctx.positions.device) + n_prot
+        protected = self.protected_mask(ctx)
         scores = self.score(ctx)
         scores = scores.float() if scores.dtype != torch.float64 else scores
         scores = scores.masked_fill(protected, float("inf"))  # protected never among the smallest
         return scores.topk(n_evict, dim=1, largest=False).indices.sort(dim=1).values
 
 
-def _is_prefix(mask: Tensor, n: int) -> bool:
-    """True when every row's True entries are exactly its first n columns."""
-    return n <= mask.shape[1] and bool(mask[:, :n].all()) and not bool(mask[:, n:].any())
+def _protected_is_prefix(positions: Tensor, n: int) -> bool:
+    """True when every row holds the protected positions (< n) exactly in its first n slots: two
+    reductions, no [rows, S] mask."""
+    if n > positions.shape[1]:
+        return False
+    head_ok = n == 0 or int(positions[:, :n].max()) < n
+    return head_ok and (n == positions.shape[1] or int(positions[:, n:].min()) >= n)
 
 
 def sample_distinct(rows: int, n: int, k: int, generator: torch.Generator | None, device) -> Tensor:
