@@ -22,26 +22,28 @@ def _ray_metrics():
     return metrics
 
 
+def catalog_metric(m, scraped: str, **kw):
+    """The Ray metric (Counter, Gauge or Histogram of the metrics module `m`) that Prometheus scrapes as
+    `scraped`, with the catalog's type, help and labels; kw: e.g. histogram boundaries."""
+    spec = by_name(scraped)
+    cls = {"counter": m.Counter, "gauge": m.Gauge, "histogram": m.Histogram}[spec.type]
+    return cls(spec.ray_name, description=spec.help, tag_keys=spec.labels, **kw)
+
+
 class EngineMetricsExporter:
     def __init__(self, deployment: str, metrics_module: Callable[[], Any] = _ray_metrics) -> None:
         m = metrics_module()
         self.deployment = deployment
-
-        def make(scraped: str, kind: str, **kw):
-            spec = by_name(scraped)
-            cls = {"counter": m.Counter, "gauge": m.Gauge, "histogram": m.Histogram}[kind]
-            return cls(spec.ray_name, description=spec.help, tag_keys=spec.labels, **kw)
-
-        self.events = make("ray_kvtier_eviction_events_total", "counter")
-        self.tokens = make("ray_kvtier_tokens_evicted_total", "counter")
-        self.blocks_freed = make("ray_kvtier_kv_blocks_freed_total", "counter")
-        self.preempted = make("ray_kvtier_preemptions_compressed_total", "counter")
-        self.round_seconds = make("ray_kvtier_eviction_round_seconds", "histogram",
-                                  boundaries=ROUND_SECONDS_BOUNDARIES)
-        self.blocks_free = make("ray_kvtier_kv_blocks_free", "gauge")
-        self.blocks_used = make("ray_kvtier_kv_blocks_used", "gauge")
-        self.running = make("ray_kvtier_requests_running", "gauge")
-        self.waiting = make("ray_kvtier_requests_waiting", "gauge")
+        self.events = catalog_metric(m, "ray_kvtier_eviction_events_total")
+        self.tokens = catalog_metric(m, "ray_kvtier_tokens_evicted_total")
+        self.blocks_freed = catalog_metric(m, "ray_kvtier_kv_blocks_freed_total")
+        self.preempted = catalog_metric(m, "ray_kvtier_preemptions_compressed_total")
+        self.round_seconds = catalog_metric(m, "ray_kvtier_eviction_round_seconds",
+                                            boundaries=ROUND_SECONDS_BOUNDARIES)
+        self.blocks_free = catalog_metric(m, "ray_kvtier_kv_blocks_free")
+        self.blocks_used = catalog_metric(m, "ray_kvtier_kv_blocks_used")
+        self.running = catalog_metric(m, "ray_kvtier_requests_running")
+        self.waiting = catalog_metric(m, "ray_kvtier_requests_waiting")
         self._last: dict[str, float] = {}
 
     def _delta(self, key: str, value: float) -> float:
@@ -87,17 +89,10 @@ class RolloutMetricsExporter:
 
     def __init__(self, metrics_module: Callable[[], Any] = _ray_metrics) -> None:
         m = metrics_module()
-
-        def spec(name: str):
-            s = by_name(name)
-            return s.ray_name, s.help, s.labels
-
-        name, help_, labels = spec("ray_kvtier_rollout_generation_tokens_total")
-        self.tokens = m.Counter(name, description=help_, tag_keys=labels)
-        name, help_, labels = spec("ray_kvtier_rollout_response_length_tokens")
-        self.length = m.Histogram(name, description=help_, tag_keys=labels, boundaries=RESPONSE_LENGTH_BOUNDARIES)
-        name, help_, labels = spec("ray_kvtier_rollout_evictions_per_sample")
-        self.evictions = m.Histogram(name, description=help_, tag_keys=labels, boundaries=EVICTIONS_BOUNDARIES)
+        self.tokens = catalog_metric(m, "ray_kvtier_rollout_generation_tokens_total")
+        self.length = catalog_metric(m, "ray_kvtier_rollout_response_length_tokens",
+                                     boundaries=RESPONSE_LENGTH_BOUNDARIES)
+        self.evictions = catalog_metric(m, "ray_kvtier_rollout_evictions_per_sample", boundaries=EVICTIONS_BOUNDARIES)
 
     def sample(self, response_tokens: int, eviction_events: int | None) -> None:
         """One finished sample; eviction_events is None for a sample that ran without a budget."""

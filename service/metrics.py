@@ -15,7 +15,7 @@ from collections import Counter as _Counter
 from collections import defaultdict
 from typing import Any
 
-from kvtier.observability.catalog import get as catalog_metric
+from kvtier.observability.exporters import catalog_metric
 
 TTFT_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
@@ -38,13 +38,8 @@ def _ray_metrics() -> dict[str, Any] | None:
 
     if not ray.is_initialized():
         return None
-    out = {}
-    for attr, (name, boundaries) in _RAY_METRICS.items():
-        spec = catalog_metric(name)
-        cls = {"counter": metrics.Counter, "histogram": metrics.Histogram}[spec.type]
-        kw = {"boundaries": boundaries} if boundaries else {}
-        out[attr] = cls(spec.ray_name, description=spec.help, tag_keys=spec.labels, **kw)
-    return out
+    return {attr: catalog_metric(metrics, name, **({"boundaries": boundaries} if boundaries else {}))
+            for attr, (name, boundaries) in _RAY_METRICS.items()}
 
 
 class RouterMetrics:
