@@ -85,9 +85,21 @@ def _schedule(orig):
 
         ev.plan(self)
         out = orig(self, *args, **kwargs)
-        setattr(out, PAYLOAD_ATTR, ev.payload(out))
+        setattr(out, PAYLOAD_ATTR, ev.payload(self, out))
         return out
     return schedule
+
+
+def _update_from_output(orig):
+    @functools.wraps(orig)
+    def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+        ev = getattr(self, "_kvtier", None)
+        if ev is not None:
+            from .payload import FAILURES_ATTR
+
+            ev.on_worker_failures(self, getattr(model_runner_output, FAILURES_ATTR, None))
+        return orig(self, scheduler_output, model_runner_output, *args, **kwargs)
+    return update_from_output
 
 
 def _add_request(orig):
@@ -156,8 +168,6 @@ def _initialize_kv_cache(orig):
 
         cfg = EngineEvictionConfig.from_vllm(self.vllm_config)
         self.kvtier = WorkerEviction(self, cfg) if cfg is not None else None
-        if self.kvtier is not None:
-            self.kvtier.install_query_capture()
     return initialize_kv_cache
 
 
@@ -185,6 +195,94 @@ def _prepare_inputs(orig):
     return _prepare_inputs
 
 
+# -- every process (config) ------------------------------------------------------------------------
+class _PatchedProperty(property):
+    """A property that takes attributes: install() marks each replacement with __kvtier_patched__ /
+    __kvtier_original__, which a plain `property` object refuses."""
+
+
+_V1_FORCED_LOGGED = False  # the override is logged once per process (the property is read many times)
+
+
+def _use_v2_model_runner(orig):
+    """`VllmConfig.use_v2_model_runner` is a property: wrap its fget and return a new property (install()
+    then does setattr(VllmConfig, "use_v2_model_runner", <property>), which replaces it on the class)."""
+    fget = orig.fget
+
+    @functools.wraps(fget)
+    def use_v2_model_runner(self):
+        from .config import EngineEvictionConfig
+
+        if EngineEvictionConfig.from_vllm(self) is None:
+            return fget(self)
+        from .support import v2_model_runner_conflict
+
+        if v2_model_runner_conflict(self) is not None:
+            # V2 is forced (VLLM_USE_V2_MODEL_RUNNER=1, HiSparse, watermark): not overridden but refused, by
+            # check_supported (UnsupportedEngineConfig) in create_engine_config and Scheduler.__init__. Not
+            # raised here: VllmConfig.__post_init__ reads this property and pydantic would turn the error
+            # into a ValidationError.
+            return fget(self)
+        import vllm.envs as envs
+
+        if envs.VLLM_USE_V2_MODEL_RUNNER is False:
+            return False  # the user chose V1: nothing to override
+        if fget(self):  # vLLM would pick V2 (its default on GPU with Triton): override, once per process
+            global _V1_FORCED_LOGGED
+            if not _V1_FORCED_LOGGED:
+                _V1_FORCED_LOGGED = True
+                logger.warning(
+                    "kvtier: using vLLM's V1 model runner instead of Model Runner V2 (vLLM's default here): "
+                    "kvtier eviction patches only the V1 GPUModelRunner (additional_config.kvtier is set)")
+        return False
+
+    return _PatchedProperty(use_v2_model_runner, orig.fset, orig.fdel, orig.__doc__)
+
+
+def _sample_tokens(orig):
+    @functools.wraps(orig)
+    def sample_tokens(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        ev = getattr(self, "kvtier", None)
+        failed = ev.take_failures() if ev is not None else None
+        if failed:
+            from .payload import FAILURES_ATTR
+
+            # async scheduling returns a wrapper whose get_output() hands back this same object
+            target = getattr(out, "_model_runner_output", out)
+            setattr(target, FAILURES_ATTR, failed)
+        return out
+    return sample_tokens
+
+
+def wrap_attention_forward(forward, hook_owner):
+    """Per-layer patch (ATTENTION_CAPTURE): call `hook_owner._kvtier_capture(layer, query, key)` before
+    the attention kernel. The hook is looked up on every call, so a cache re-initialisation (vLLM
+    initialises twice on GPU: profiling, then real) replaces it instead of leaving a stale closure."""
+    if getattr(forward, "__kvtier_patched__", False):
+        return forward
+
+    @functools.wraps(forward)
+    def patched(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        hook = getattr(hook_owner, "_kvtier_capture", None)
+        if hook is not None and attn_metadata is not None:
+            hook(layer, query, key)
+        return forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+    patched.__kvtier_patched__ = True
+    return patched
+
+
+# Not installed at import: applied per attention layer instance by the worker (`WorkerEviction`), because
+# the implementation class differs by backend (CPU, FlashAttention, ...). Listed here with the others.
+ATTENTION_CAPTURE = Patch(
+    "<attention layer>.impl.forward (per instance)",
+    "keep recent post-RoPE queries (and keys, for H2O) of requests whose policy reads them; assumes vLLM "
+    "0.31's unified_attention_with_output calls layer.impl.forward(layer, query, key, value, kv_cache, "
+    "attn_metadata, ...) eagerly: under full CUDA graphs it is not replayed, so query-reading policies "
+    "are refused there (support.py)", wrap_attention_forward)
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("vllm.engine.arg_utils:EngineArgs.create_engine_config",
           "refuse, in the caller's process, configurations eviction cannot serve (prefix caching, spec "
@@ -197,6 +295,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.core.sched.scheduler:Scheduler.schedule",
           "before scheduling, compact due decode requests and free their tail blocks; after, attach the "
           "step payload (ops, offsets) to SchedulerOutput, which reaches the worker", _schedule),
+    Patch("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+          "abort (FINISHED_ERROR) the requests whose eviction policy failed in the worker this step; the "
+          "worker compacted them with a fallback, so the engine and every other request keep running",
+          _update_from_output),
     Patch("vllm.v1.core.sched.scheduler:Scheduler.add_request",
           "resolve the request's eviction spec from SamplingParams.extra_args", _add_request),
     Patch("vllm.v1.core.sched.scheduler:Scheduler._preempt_request",
@@ -213,9 +315,19 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
           "run every due compaction before vLLM zeroes or appends blocks (freed tail blocks may already "
           "belong to another request this step), then cut block lists and block-table rows", _update_states),
+    Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+          "report requests whose policy failed on the step's ModelRunnerOutput (the object async "
+          "scheduling's wrapper returns from get_output)", _sample_tokens),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
           "after inputs are prepared, rewrite slot mapping and seq_lens to physical positions; positions "
           "(RoPE) stay logical", _prepare_inputs),
+    Patch("vllm.config.vllm:VllmConfig.use_v2_model_runner",
+          "force vLLM's V1 model runner when kvtier eviction is configured (V2 is vLLM's default on GPU with "
+          "Triton; every worker patch targets the V1 GPUModelRunner), logging the override once; where V2 is "
+          "forced (VLLM_USE_V2_MODEL_RUNNER=1, HiSparse, watermark) it answers as vLLM does and "
+          "check_supported refuses the engine (UnsupportedEngineConfig). "
+          "A property: the replacement is a property; the plugin loads in every vLLM process, so the "
+          "scheduler, workers and frontend all see the same answer", _use_v2_model_runner),
 )
 
 

@@ -32,3 +32,7 @@ class StepPayload:
     resets: dict[str, int] = field(default_factory=dict)    # preempted: req -> first query row recomputed in full
     blocks_freed: int = 0
     preempted_compressed: int = 0
+
+# What the worker sends back on the step's ModelRunnerOutput: {req_id: error} for requests whose policy
+# failed (the scheduler finishes them with an error).
+FAILURES_ATTR = "kvtier_failures"

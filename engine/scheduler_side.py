@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from vllm.v1.request import RequestStatus
 
+from . import compat
 from .config import EngineEvictionConfig, EvictionSpec, resolve_request_spec
 from .payload import CompactionOp, StepPayload
 
@@ -33,6 +34,8 @@ class SchedulerEviction:
     states: dict[str, RequestEviction] = field(default_factory=dict)
     pending: dict[str, CompactionOp] = field(default_factory=dict)
     resets: dict[str, int] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)   # compressed requests preempted, not yet resumed
+    failed: set[str] = field(default_factory=set)      # policy errors reported by the worker, to abort
     reserved_blocks: int = 0
     blocks_freed: int = 0               # deltas shipped to the worker with the next step
     preempted_compressed: int = 0
@@ -57,13 +60,16 @@ class SchedulerEviction:
         # gone with the blocks, and a copy still pending would write into blocks now owned by others.
         st.offset = 0
         self.pending.pop(request.request_id, None)
-        # The recompute prefill samples its next token from the row num_tokens-1, with every position back.
-        self.resets[request.request_id] = request.num_tokens - 1
+        # The reset (with the row its recompute samples from) is sent when the request resumes: under
+        # async scheduling an in-flight token may still be appended after the preemption.
+        self.preempted.add(request.request_id)
         self.preempted_compressed += 1
 
     def on_free(self, request_id: str) -> None:
         self.states.pop(request_id, None)
         self.pending.pop(request_id, None)
+        self.preempted.discard(request_id)
+        self.failed.discard(request_id)
 
     # -- per step ----------------------------------------------------------------------------
     def physical_len(self, request) -> int:
@@ -72,40 +78,39 @@ class SchedulerEviction:
 
     def plan(self, scheduler) -> None:
         """Before vLLM schedules: compact due decode requests and free their tail blocks."""
-        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-        pool = scheduler.kv_cache_manager.block_pool
         self.reserved_blocks = 0
         for request in scheduler.running:
             rid = request.request_id
             st = self.states.get(rid)
             if st is None:
-                self.reserved_blocks += len(manager.req_to_blocks.get(rid, ())) + 1
+                self.reserved_blocks += len(compat.request_blocks(scheduler, rid)) + 1
                 continue
             self.reserved_blocks += st.max_blocks
-            if request.num_computed_tokens != request.num_tokens - 1 or rid in self.pending:
-                continue  # only plain decode steps compact (not prefill chunks, not spec decode)
+            # only plain decode steps compact (not prefill chunks, not a recompute); under async
+            # scheduling the newest token may still be a placeholder, its KV is written by the step in
+            # flight, which the worker finishes before this step's compaction runs
+            if rid in self.pending or rid in self.failed or not compat.is_plain_decode(request):
+                continue
             sched = st.spec.schedule()
             physical = request.num_computed_tokens - st.offset
-            decoded = request.num_computed_tokens - st.prompt_len
-            on_cadence = decoded > 0 and decoded % sched.buffer == 0
-            if physical <= sched.settled_len or not (on_cadence or physical >= sched.max_cached):
+            if not sched.due(physical, request.num_computed_tokens - st.prompt_len):
                 continue
             new_len = sched.settled_len
             keep_blocks = -(-new_len // self.block_size)
-            blocks = manager.req_to_blocks[rid]
-            tail = blocks[keep_blocks:]
-            if tail:
-                del blocks[keep_blocks:]
-                if rid in manager.num_cached_block:
-                    manager.num_cached_block[rid] = min(manager.num_cached_block[rid], keep_blocks)
-                pool.free_blocks(reversed(tail))
-                self.blocks_freed += len(tail)
+            self.blocks_freed += compat.free_tail_blocks(scheduler, rid, keep_blocks)
             st.offset += physical - new_len
             st.rounds += 1
             self.pending[rid] = CompactionOp(
                 req_id=rid, old_len=physical, new_len=new_len, keep_blocks=keep_blocks,
                 prompt_len=st.prompt_len, spec=st.spec, round=st.rounds,
                 query_position=request.num_computed_tokens - 1)
+
+    def on_worker_failures(self, scheduler, req_ids) -> None:
+        """The worker's policy failed for these requests (it compacted them with a fallback so the cache
+        stays consistent): finish them with an error at this output, the engine keeps serving."""
+        if req_ids:
+            self.failed.update(req_ids)
+            compat.fail_requests(scheduler, req_ids)
 
     def admit(self, request) -> bool:
         """Reserve mode: a waiting compressed request fits only if every running bound still fits."""
@@ -119,8 +124,13 @@ class SchedulerEviction:
         if st is not None:
             self.reserved_blocks += st.max_blocks
 
-    def payload(self, scheduler_output) -> StepPayload:
-        offsets = {rid: self.states[rid].offset for rid in scheduler_output.num_scheduled_tokens
+    def payload(self, scheduler, scheduler_output) -> StepPayload:
+        scheduled = scheduler_output.num_scheduled_tokens
+        for rid in [r for r in self.preempted if r in scheduled]:
+            # resumed: the recompute prefill samples its next token from row num_tokens - 1, every position back
+            self.resets[rid] = scheduler.requests[rid].num_tokens - 1
+            self.preempted.discard(rid)
+        offsets = {rid: self.states[rid].offset for rid in scheduled
                    if rid in self.states and self.states[rid].offset}
         p = StepPayload(ops=list(self.pending.values()), offsets=offsets, resets=dict(self.resets),
                         blocks_freed=self.blocks_freed, preempted_compressed=self.preempted_compressed)

@@ -25,6 +25,7 @@ class EngineCounters:
     tokens_evicted: int = 0
     blocks_freed: int = 0
     preemptions_compressed: int = 0
+    policy_failures: int = 0         # rounds whose policy raised (the request was aborted with an error)
     round_ms_sum: float = 0.0
     round_ms_count: int = 0
     round_ms_buckets: list[int] = field(default_factory=lambda: [0] * (len(ROUND_MS_BUCKETS) + 1))

@@ -105,9 +105,7 @@ def round_due(spec: EvictSpec, physical: int, decoded: int) -> bool:
     """The compressed engine's trigger (scheduler_side.plan), checked before a decode step appends."""
     if not spec.compressed:
         return False
-    sched = spec.schedule()
-    on_cadence = decoded > 0 and decoded % sched.buffer == 0
-    return physical > sched.settled_len and (on_cadence or physical >= sched.max_cached)
+    return spec.schedule().due(physical, decoded)
 
 
 def round_schedule(prompt_len: int, total_len: int, spec: EvictSpec) -> list[int]:

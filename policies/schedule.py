@@ -2,7 +2,9 @@
 
 The r most recent positions (the buffer) are never candidates. Every r decode steps, once the cached
 length exceeds K + r, every position outside the buffer is a candidate, the policy keeps K per KV head
-and the cache returns to K + r entries, so it never holds more than K + 2r.
+and the cache returns to K + r entries, so it never holds more than K + 2r. A cache that reached K + 2r
+off the cadence (a preempted request recomputed in full, a prompt longer than K + r) compacts at once:
+the catch-up clause. This is the one trigger rule; the vLLM engine and the reference engine call `due`.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ class EvictionSchedule:
 
     def due(self, cached_len: int, decode_steps: int) -> bool:
         """True when a round runs now: `decode_steps` tokens generated (their KV cached) and
-        `cached_len` entries per head."""
-        return decode_steps > 0 and decode_steps % self.buffer == 0 and cached_len > self.settled_len
+        `cached_len` entries per head; on the cadence (every r decode steps) or, off it, once the cache
+        holds K + 2r entries (catch-up)."""
+        if cached_len <= self.settled_len:
+            return False
+        on_cadence = decode_steps > 0 and decode_steps % self.buffer == 0
+        return on_cadence or cached_len >= self.max_cached
 
     def num_candidates(self, cached_len: int) -> int:
         return cached_len - self.buffer

@@ -95,7 +95,8 @@ def test_schedule_cadence_and_bounds():
     # prompt of 100: the first round is at decode step 256 (length 356 > 320), evicting 36
     due = [n for n in range(1, 700) if s.due(100 + n - (0), n)]
     assert due[0] == 256 and s.num_evicted(356) == 36
-    assert not s.due(320, 64) and not s.due(400, 63)
+    assert not s.due(320, 64) and not s.due(383, 63)
+    assert s.due(384, 63) and s.due(400, 1)   # catch-up at K + 2r, off the cadence
     with pytest.raises(PolicyError, match="buffer"):
         EvictionSchedule(budget=4, buffer=0)
     with pytest.raises(PolicyError, match="budget"):

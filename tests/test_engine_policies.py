@@ -71,7 +71,7 @@ def batch(llm, calibration_path):
     """Every policy in one batch; H2O's accumulated attention recorded at each round before selection."""
     ev = llm.collective_rpc(_kvtier_of)[0]
     rounds = []
-    select = ev._select
+    select = ev._select_one
 
     def spy(op, st, pos, blocks):
         if op.spec.policy == "h2o":
@@ -79,11 +79,11 @@ def batch(llm, calibration_path):
                            "attention": st.attention[:, :, : op.old_len].clone(), "positions": pos.clone()})
         return select(op, st, pos, blocks)
 
-    ev._select = spy
+    ev._select_one = spy
     try:
         outs = llm.generate([PROMPT] * len(POLICIES), [params(p, calibration_path) for p in POLICIES], use_tqdm=False)
     finally:
-        del ev._select
+        del ev._select_one
     return dict(zip(POLICIES, outs)), rounds
 
 

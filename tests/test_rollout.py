@@ -4,8 +4,8 @@ One local Ray cluster and ONE compressed engine for the whole module: verl's `LL
 the `kvtier` replica through `RolloutReplicaRegistry` (rollout.name=kvtier), the replica launches a
 `KVTierServer` actor (vLLM 0.31 AsyncLLM + kvtier eviction), and verl's `AgentLoopManager` runs the
 single-turn agent loop against it: DataProto in, DataProto out. A stock vLLM reference (kvtier plugin
-not loaded) runs in a subprocess before the kvtier engine starts (Ray comes up meanwhile), so only one
-engine is alive at a time.
+not loaded; the server's own engine arguments and thread count) runs in a subprocess before the kvtier
+engine starts (Ray comes up meanwhile), so only one engine is alive at a time.
 """
 
 from __future__ import annotations
@@ -44,18 +44,59 @@ CHAT_PROMPTS = [
 
 
 # -- fixtures -------------------------------------------------------------------------------------
-def _stock_vllm_process(model_dir: str) -> subprocess.Popen:
-    """Greedy continuations from stock vLLM (VLLM_PLUGINS=none: kvtier not loaded), one request at a time."""
+def _server_engine(config) -> tuple[dict, str]:
+    """(vLLM engine arguments, OMP_NUM_THREADS) of the rollout server's engine for `config`.
+
+    The arguments are the ones the server builds (`KVTierServer.engine_args`; the replica's only server,
+    rank 0) minus what is kvtier's own: `additional_config` (the eviction plugin's settings) and the
+    worker extension (weight sync). The thread count matters as much: on CPU the GEMM kernels' reduction
+    order depends on it, and with random weights exact and near ties in the bf16 logits are common, so
+    1 vs 2 threads flips greedy tokens. The server is a Ray actor reserving `server_num_cpus` CPUs (0 by
+    default, see `KVTierReplica.launch_servers`), for which Ray sets OMP_NUM_THREADS to
+    max(1, floor(num_cpus)) unless the environment sets it; its engine-core process inherits that, and
+    vLLM's CPU worker keeps torch at that many threads. The test checks the actor's value."""
+    import math
+
+    from kvtier.rollout.server import KVTierServer
+
+    saved = os.environ.get("VERL_REPLICA_RANK")  # KVTierServer.__init__ sets it for its own process
+    try:
+        server = KVTierServer(config.actor_rollout_ref.rollout, config.actor_rollout_ref.model, replica_rank=0)
+        kwargs = server.engine_args()
+    finally:
+        if saved is None:
+            os.environ.pop("VERL_REPLICA_RANK", None)
+        else:
+            os.environ["VERL_REPLICA_RANK"] = saved
+    kwargs.pop("additional_config")
+    kwargs.pop("worker_extension_cls", None)
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, math.floor(server.settings.server_num_cpus or 0)))
+    return kwargs, threads
+
+
+def _stock_vllm_process(engine_kwargs: dict, omp_threads: str) -> subprocess.Popen:
+    """Greedy continuations (and top-2 log-probs per step) from stock vLLM (VLLM_PLUGINS=none: kvtier not
+    loaded) with the rollout server's engine arguments and thread count, one request at a time after
+    the same warm-up request the server makes."""
+    from kvtier.engine.api import WARMUP_PROMPT_TOKENS
+
     script = (
-        "import json\nfrom vllm import LLM, SamplingParams\n"
-        f"llm=LLM(model={model_dir!r}, kv_cache_memory_bytes=32<<20, max_model_len=1024, max_num_seqs=16,"
-        " enforce_eager=True, dtype='bfloat16', enable_prefix_caching=False)\n"
-        f"sp=SamplingParams(max_tokens={GREEDY_TOKENS}, temperature=0, ignore_eos=True)\n"
-        f"out=[list(llm.generate([{{'prompt_token_ids': p}}], sp, use_tqdm=False)[0].outputs[0].token_ids) for p in {ID_PROMPTS!r}]\n"
-        "print('RESULT'+json.dumps(out))\n")
-    env = {**os.environ, "VLLM_PLUGINS": "none", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+        "import json, sys\nfrom vllm import LLM, SamplingParams\n"
+        "kw, prompts, n, warm = json.loads(sys.argv[1])\n"
+        "llm = LLM(**kw)\n"
+        "llm.generate([{'prompt_token_ids': list(range(10, 10 + warm))}], SamplingParams(max_tokens=2, temperature=0),"
+        " use_tqdm=False)\n"
+        "sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)\n"
+        "out = []\n"
+        "for p in prompts:\n"
+        "    c = llm.generate([{'prompt_token_ids': p}], sp, use_tqdm=False)[0].outputs[0]\n"
+        "    top2 = [sorted((v.logprob for v in lp.values()), reverse=True)[:2] for lp in c.logprobs]\n"
+        "    out.append({'token_ids': list(c.token_ids), 'top2': top2})\n"
+        "print('RESULT' + json.dumps(out))\n")
+    arg = json.dumps([engine_kwargs, ID_PROMPTS, GREEDY_TOKENS, WARMUP_PROMPT_TOKENS])
+    env = {**os.environ, "VLLM_PLUGINS": "none", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": omp_threads}
+    return subprocess.Popen([sys.executable, "-c", script, arg], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _start_prometheus(tmp_path_factory):
@@ -81,15 +122,16 @@ def rollout(tiny_model_dir, tmp_path_factory):
     from kvtier.rollout.verl_config import compose_config, cpu_rollout_overrides
 
     t0 = time.perf_counter()
-    stock = _stock_vllm_process(tiny_model_dir)
+    audit = str(tmp_path_factory.mktemp("rollout_audit") / "keep.jsonl")
+    config = compose_config(cpu_rollout_overrides(
+        tiny_model_dir, budget=BUDGET, buffer=BUFFER, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
+        kv_cache_bytes=32 << 20, audit_log=audit, seed=0, max_model_len=2048)
+        # seeded sampling (verl's full_determinism): the same batches every run, so the statistical
+        # checks (tolerances, lengths with sampled EOS) cannot fail by chance on one run in many
+        + ["actor_rollout_ref.rollout.full_determinism=true"])
+    engine_kwargs, omp_threads = _server_engine(config)
+    stock = _stock_vllm_process(engine_kwargs, omp_threads)
     try:
-        audit = str(tmp_path_factory.mktemp("rollout_audit") / "keep.jsonl")
-        config = compose_config(cpu_rollout_overrides(
-            tiny_model_dir, budget=BUDGET, buffer=BUFFER, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
-            kv_cache_bytes=32 << 20, audit_log=audit, seed=0, max_model_len=2048)
-            # seeded sampling (verl's full_determinism): the same batches every run, so the statistical
-            # checks (tolerances, lengths with sampled EOS) cannot fail by chance on one run in many
-            + ["actor_rollout_ref.rollout.full_determinism=true"])
         if ray.is_initialized():  # a leftover from an earlier module; this module needs its runtime env
             ray.shutdown()
         prom = _start_prometheus(tmp_path_factory)
@@ -108,6 +150,7 @@ def rollout(tiny_model_dir, tmp_path_factory):
         local = LocalRollout(config)
         local.audit_log = audit
         local.stock_greedy = json.loads(line[len("RESULT"):])
+        local.stock_omp_threads = omp_threads
         local.prometheus = prom
         print(f"\n[test_rollout] ray {t_ray - t0:.1f}s, stock vLLM reference done at {t_stock - t0:.1f}s, "
               f"verl servers + agent loop at {time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -259,20 +302,40 @@ def test_agent_loop_batch_responses_logprobs_and_eviction_stats(rollout, replay)
 
 def test_budget_at_least_length_matches_plain_vllm_token_for_token(rollout):
     """Through the server's verl `generate`: K >= length (no round can run) and full attention both give
-    stock vLLM's greedy tokens; a sample shorter than K + r under the default budget is never evicted."""
-    for prompt, stock in zip(ID_PROMPTS, rollout.stock_greedy):
+    stock vLLM's greedy tokens; a sample shorter than K + r under the default budget is never evicted.
+
+    Exact identity is the claim: the reference runs the same vLLM engine arguments and OMP thread count
+    as the server (`_server_engine`) and one request at a time, as here, so both run the same kernels on
+    the same shapes and a plugin that stays out of the way yields bit-identical logits, ties included
+    (the tiny random model has exact bf16 ties; a different thread count alone flips one at step 75 of
+    the second prompt on AVX-512 machines)."""
+    # (a lambda: cloudpickle ships it by value; the actor cannot import this test module)
+    server_threads = ray.get(rollout.server.__ray_call__.remote(lambda _self: os.environ.get("OMP_NUM_THREADS")))
+    assert server_threads == rollout.stock_omp_threads, (
+        f"the server's engine runs with OMP_NUM_THREADS={server_threads}, the stock reference ran with "
+        f"{rollout.stock_omp_threads}: fix _server_engine")
+    for prompt, ref in zip(ID_PROMPTS, rollout.stock_greedy):
+        stock = ref["token_ids"]
         big = generate(rollout, prompt, temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=True,
                        kvtier_budget=4096)
-        assert big.token_ids == stock
+        assert big.token_ids == stock, _divergence(big.token_ids, ref)
         assert big.stop_reason == "completed" and len(big.log_probs) == GREEDY_TOKENS
         assert big.extra_fields["kvtier_budget"] == 4096 and big.extra_fields["kvtier_eviction_events"] == 0
         full = generate(rollout, prompt, temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True,
                         kvtier_budget=None)
-        assert full.token_ids == stock
+        assert full.token_ids == stock, _divergence(full.token_ids, ref)
         assert full.extra_fields["kvtier_budget"] is None and full.num_preempted is None
     short = generate(rollout, ID_PROMPTS[0], temperature=0, max_tokens=BUDGET + BUFFER - len(ID_PROMPTS[0]))
     assert short.extra_fields["kvtier_budget"] == BUDGET
     assert short.extra_fields["kvtier_eviction_events"] == 0 and short.extra_fields["kvtier_tokens_evicted"] == 0
+
+
+def _divergence(tokens: list[int], ref: dict) -> str:
+    i = next((j for j, (a, b) in enumerate(zip(tokens, ref["token_ids"])) if a != b), None)
+    if i is None:
+        return f"lengths differ: {len(tokens)} vs stock {len(ref['token_ids'])}"
+    top2 = ref["top2"][i]
+    return f"first difference at {i}: {tokens[i]} vs stock {ref['token_ids'][i]}, stock top-2 log-probs {top2}"
 
 
 def test_sleep_wake_abort_resume_keep_serving(rollout):

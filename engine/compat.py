@@ -1,0 +1,127 @@
+"""Every read or write of vLLM 0.31 private state kvtier makes, as named helpers (pinned version checked at
+start-up by `plugin.check_vllm_version`). If vLLM renames one of these attributes, this is the one file
+to change. The patches that call these are listed in `patches.py`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# -- scheduler process -------------------------------------------------------------------------------
+
+
+def pending_outputs(request) -> int:
+    """Output tokens scheduled but not yet returned (async scheduling's placeholders; 0 when synchronous)."""
+    return int(getattr(request, "num_output_placeholders", 0) or 0)
+
+
+def is_plain_decode(request) -> bool:
+    """The request decodes exactly one token this step: every known token (sampled or still a placeholder
+    under async scheduling) except the newest is cached. False for prefill chunks and recompute."""
+    return request.num_computed_tokens == request.num_tokens + pending_outputs(request) - 1
+
+
+def request_blocks(scheduler, req_id: str) -> list:
+    """The request's KV blocks (one full-attention group; `support.check_supported` guarantees one)."""
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    return manager.req_to_blocks.get(req_id, [])
+
+
+def free_tail_blocks(scheduler, req_id: str, keep_blocks: int) -> int:
+    """Return the request's blocks past `keep_blocks` to the pool now; the number freed."""
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    blocks = manager.req_to_blocks[req_id]
+    tail = blocks[keep_blocks:]
+    if not tail:
+        return 0
+    del blocks[keep_blocks:]
+    if req_id in manager.num_cached_block:
+        manager.num_cached_block[req_id] = min(manager.num_cached_block[req_id], keep_blocks)
+    scheduler.kv_cache_manager.block_pool.free_blocks(reversed(tail))
+    return len(tail)
+
+
+def fail_requests(scheduler, req_ids) -> None:
+    """Finish these requests with FINISHED_ERROR (finish_reason "error"; vLLM's server answers 500) inside
+    the next `update_from_output`: vLLM 0.31 drains `encoder_cache_mismatch_reqs` into its error path
+    there, which frees the blocks and emits the final output to the client."""
+    scheduler.encoder_cache_mismatch_reqs.update(r for r in req_ids if r in scheduler.requests)
+
+
+# -- worker process ----------------------------------------------------------------------------------
+
+
+def batch_req_ids(runner, num_reqs: int) -> list[str]:
+    return list(runner.input_batch.req_ids[:num_reqs])
+
+
+def query_start_loc(runner, num_reqs: int) -> np.ndarray:
+    """[num_reqs + 1] host copy of this step's query start offsets."""
+    return runner.query_start_loc.np[: num_reqs + 1]
+
+
+def logical_positions(runner, num_tokens: int) -> torch.Tensor:
+    """[num_tokens] RoPE positions of this step's tokens (device tensor)."""
+    return runner.positions[:num_tokens]
+
+
+def request_block_ids(runner, req_id: str) -> list[int] | None:
+    """The worker's block id list of a request (first KV cache group), or None if unknown."""
+    state = runner.requests.get(req_id)
+    return None if state is None else state.block_ids[0]
+
+
+def to_physical(runner, num_reqs: int, offsets: torch.Tensor, host_offsets: torch.Tensor) -> None:
+    """Rewrite this step's slot mapping and sequence lengths to physical positions: physical = logical -
+    offset per request (`offsets` on the device, `host_offsets` the same values on the host). RoPE
+    positions (`runner.positions`) stay logical."""
+    qsl = query_start_loc(runner, num_reqs)
+    total = int(qsl[num_reqs])
+    counts = torch.from_numpy(np.diff(qsl).astype(np.int64)).to(offsets.device, non_blocking=True)
+    physical = logical_positions(runner, total) - offsets.repeat_interleave(counts, output_size=total)
+    runner.input_batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], physical)
+    runner.seq_lens[:num_reqs] -= offsets.to(runner.seq_lens.dtype)
+    runner.optimistic_seq_lens_cpu[:num_reqs] -= host_offsets.to(runner.optimistic_seq_lens_cpu.dtype)
+
+
+def truncate_request_blocks(runner, req_id: str, keep_blocks: int) -> None:
+    """Cut the worker's block lists and the persistent block-table row of a request to `keep_blocks` (the
+    scheduler already returned the tail to the pool; vLLM's rows are append-only)."""
+    state = runner.requests.get(req_id)
+    if state is not None:
+        for ids in state.block_ids:
+            del ids[keep_blocks:]
+    row = runner.input_batch.req_id_to_index.get(req_id)
+    if row is None:
+        return
+    for bt in runner.input_batch.block_table.block_tables:
+        n = keep_blocks * bt.blocks_per_kv_block
+        old = int(bt.num_blocks_per_row[row])
+        if old > n:
+            bt.block_table.np[row, n:old] = 0
+            bt.num_blocks_per_row[row] = n
+
+
+def kv_cache_group(runner):
+    return runner.kv_cache_config.kv_cache_groups[0]
+
+
+def attention_layers(runner) -> dict:
+    """Layer name -> vLLM Attention module, for the KV cache group's layers."""
+    ctx = runner.compilation_config.static_forward_context
+    return {name: ctx[name] for name in kv_cache_group(runner).layer_names}
+
+
+def layer_cache(layer) -> torch.Tensor:
+    return layer.kv_cache if isinstance(layer.kv_cache, torch.Tensor) else layer.kv_cache[0]
+
+
+def tensor_parallel(runner) -> tuple[int, int]:
+    """(rank, world size) of tensor parallelism in this worker."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    try:
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (AssertionError, RuntimeError):   # no process group (unit tests)
+        return 0, 1
