@@ -88,12 +88,18 @@ def run_throughput_bench(model: str, s: LoadShape, arms: list[str], plot: str | 
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         events = after["events"] - before["events"]
         rounds_ms = after["round_ms_sum"] - before["round_ms_sum"]
+        eviction_steps = after["steps_with_eviction"] - before["steps_with_eviction"]
         results[arm] = {
             "tok_per_s": tokens / seconds, "seconds": seconds, "generated_tokens": tokens,
             "peak_running": obs.peak_running, "preemptions": obs.preemptions,
             "eviction_events": events, "tokens_evicted": after["tokens_evicted"] - before["tokens_evicted"],
             "blocks_freed": after["blocks_freed"] - before["blocks_freed"],
             "eviction_ms_total": rounds_ms,
+            # per-step eviction overhead: the worker's compaction time per engine step that ran rounds, and
+            # its share of the arm's wall time
+            "eviction_steps": eviction_steps,
+            "eviction_ms_per_step": rounds_ms / eviction_steps if eviction_steps else 0.0,
+            "eviction_share_of_wall": rounds_ms / 1e3 / seconds,
             "valid": budget is None or events > 0,
         }
         assert pool_state(llm)["free_blocks"] == pool["free_blocks"], "KV blocks leaked"

@@ -71,16 +71,15 @@ def eviction_stats(llm, request_ids: list[str] | None = None) -> dict:
 
 def scheduler_of(llm):
     """The in-process scheduler (only with VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    core = llm.llm_engine.engine_core
-    inner = getattr(core, "engine_core", None)
-    if inner is None:
-        raise RuntimeError("scheduler is in another process; set VLLM_ENABLE_V1_MULTIPROCESSING=0")
-    return inner.scheduler
+    from .compat import in_process_scheduler
+
+    return in_process_scheduler(llm)
 
 
 def pool_state(llm) -> dict[str, int]:
     """Free and total KV blocks as the scheduler sees them (in-process engines only)."""
+    from .compat import kv_block_size, pool_counts
+
     sched = scheduler_of(llm)
-    pool = sched.kv_cache_manager.block_pool
-    return {"free_blocks": pool.get_num_free_blocks(), "total_blocks": pool.num_gpu_blocks - 1,
-            "block_size": sched.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size}
+    free, total = pool_counts(sched)
+    return {"free_blocks": free, "total_blocks": total, "block_size": kv_block_size(sched)}

@@ -49,6 +49,24 @@ def fail_requests(scheduler, req_ids) -> None:
     scheduler.encoder_cache_mismatch_reqs.update(r for r in req_ids if r in scheduler.requests)
 
 
+def in_process_scheduler(llm):
+    """The scheduler of an `LLM` whose engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    inner = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if inner is None:
+        raise RuntimeError("scheduler is in another process; set VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    return inner.scheduler
+
+
+def pool_counts(scheduler) -> tuple[int, int]:
+    """(free, usable) KV blocks of the scheduler's pool (vLLM keeps one null block out of use)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks(), pool.num_gpu_blocks - 1
+
+
+def kv_block_size(scheduler) -> int:
+    return scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+
+
 # -- worker process ----------------------------------------------------------------------------------
 
 
@@ -64,6 +82,16 @@ def query_start_loc(runner, num_reqs: int) -> np.ndarray:
 def logical_positions(runner, num_tokens: int) -> torch.Tensor:
     """[num_tokens] RoPE positions of this step's tokens (device tensor)."""
     return runner.positions[:num_tokens]
+
+
+def num_computed_tokens(runner, num_reqs: int) -> np.ndarray:
+    """[num_reqs] host copy of each batch row's computed tokens (the logical position of its first token)."""
+    return runner.input_batch.num_computed_tokens_cpu[:num_reqs]
+
+
+def write_kv(layer, key, value, cache, slot_mapping) -> None:
+    """Write K/V rows through the attention backend's own cache-update op (the layout probe uses it)."""
+    layer.impl.do_kv_cache_update(layer, key, value, cache, slot_mapping)
 
 
 def request_block_ids(runner, req_id: str) -> list[int] | None:

@@ -78,7 +78,7 @@ class WorkerEviction:
         self.device, self.dtype = caches[0].device, caches[0].dtype
         self.layout: PagedLayout = probe_layout(
             caches[0], runner.kv_cache_config.num_blocks, self.num_kv_heads, self.block_size, self.head_dim,
-            lambda k, v, cache, slots: self.layers[0].impl.do_kv_cache_update(self.layers[0], k, v, cache, slots))
+            lambda k, v, cache, slots: compat.write_kv(self.layers[0], k, v, cache, slots))
         self.rows = RowLayout.from_layout(self.layout, self.device)
         self.row_views = [self.rows.view(self.layout.flat(c)) for c in caches]
         # Tensor parallelism: this rank holds KV heads [rank * H, (rank + 1) * H) of the model.
@@ -154,7 +154,7 @@ class WorkerEviction:
         qsl = compat.query_start_loc(runner, num_reqs).tolist()
         payload: StepPayload | None = getattr(scheduler_output, PAYLOAD_ATTR, None)
         offsets_of = payload.offsets if payload is not None else {}
-        computed = runner.input_batch.num_computed_tokens_cpu
+        computed = compat.num_computed_tokens(runner, num_reqs)
         todo = [(rid, self.requests[rid], qsl[i], qsl[i + 1], int(computed[i])) for i, rid in enumerate(req_ids)
                 if rid in self.requests and self.requests[rid].queries is not None and qsl[i + 1] > qsl[i]]
         self.capture.plan(todo, lambda rid: compat.request_block_ids(runner, rid), offsets_of)
@@ -244,7 +244,8 @@ class WorkerEviction:
         got = {k: v for k, v in got.items() if k in needs}
         chrono = cand.gather(2, order)
         if op.spec.policy in PER_LAYER_POLICIES:
-            picks = [policy.evict(EvictionContext(positions=chrono[li], extras={"layer": li, "num_layers": L},
+            extras = {"num_layers": L, "kv_heads": self.global_heads}
+            picks = [policy.evict(EvictionContext(positions=chrono[li], extras={**extras, "layer": li},
                                                   **{k: v[li] for k, v in got.items()}, **base)) for li in range(L)]
             ev = torch.stack(picks)
         else:

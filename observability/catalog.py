@@ -109,6 +109,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("ray_kvtier_preemptions_compressed_total", "counter", ("deployment",),
            "Preemptions of compressed (budgeted) requests; with reserve admission this should stay 0.",
            ENGINE, "preemptions"),
+    Metric("ray_kvtier_policy_failures_total", "counter", ("deployment",),
+           "Eviction rounds whose policy raised; the request was compacted with random and finished with an "
+           "error (the engine and the other requests keep running).", ENGINE, "rounds"),
     Metric("ray_kvtier_eviction_round_seconds", "histogram", ("deployment",),
            "Wall time of one engine step's eviction work (policy + compaction of every due request).",
            ENGINE, "seconds"),

@@ -38,6 +38,7 @@ class EngineMetricsExporter:
         self.tokens = catalog_metric(m, "ray_kvtier_tokens_evicted_total")
         self.blocks_freed = catalog_metric(m, "ray_kvtier_kv_blocks_freed_total")
         self.preempted = catalog_metric(m, "ray_kvtier_preemptions_compressed_total")
+        self.policy_failures = catalog_metric(m, "ray_kvtier_policy_failures_total")
         self.round_seconds = catalog_metric(m, "ray_kvtier_eviction_round_seconds",
                                             boundaries=ROUND_SECONDS_BOUNDARIES)
         self.blocks_free = catalog_metric(m, "ray_kvtier_kv_blocks_free")
@@ -65,6 +66,8 @@ class EngineMetricsExporter:
                 self.blocks_freed.inc(d, tags=tags)
             if d := self._delta("preempted", eng["preemptions_compressed"]):
                 self.preempted.inc(d, tags=tags)
+            if d := self._delta("policy_failures", eng.get("policy_failures", 0)):
+                self.policy_failures.inc(d, tags=tags)
         for ms in round_ms or ():
             self.round_seconds.observe(ms / 1e3, tags=tags)
         if pool is not None:

@@ -86,14 +86,17 @@ class TriAttentionCalibration:
     def num_heads(self) -> int:
         return self.cos_coef.shape[1]
 
-    def series(self, layer: int, distance: Tensor, offsets: Sequence[int] = (0,)) -> Tensor:
-        """mean_o f_h(Δ + o) for distance [H, ...] (any trailing shape), float64. The mean over offsets
+    def series(self, layer: int, distance: Tensor, offsets: Sequence[int] = (0,), heads: Tensor | None = None) -> Tensor:
+        """mean_o f_h(Δ + o) for distance [H, ...] (any trailing shape), float64; `heads`: the calibration
+        heads of the rows (a tensor-parallel rank's slice), all by default. The mean over offsets
         is again a series in Δ: a' = a·C + b·S, b' = b·C − a·S with C, S = mean_o cos, sin(ω_m o)."""
         dev = distance.device
         omega = self.omega.double().to(dev)
         wo = omega.unsqueeze(1) * torch.tensor(offsets, dtype=torch.float64, device=dev)  # [M, n]
         c, s = wo.cos().mean(dim=1), wo.sin().mean(dim=1)
         a0, b0 = self.cos_coef[layer].double().to(dev), self.sin_coef[layer].double().to(dev)  # [H, M]
+        if heads is not None:
+            a0, b0 = a0[heads.to(dev)], b0[heads.to(dev)]
         a, b = a0 * c + b0 * s, b0 * c - a0 * s
         phase = distance.double().unsqueeze(-1) * omega
         view = (a.shape[0],) + (1,) * (distance.dim() - 1) + (a.shape[1],)
@@ -176,7 +179,9 @@ class TriAttentionPolicy(EvictionPolicy):
     The calibration comes from the constructor (a TriAttentionCalibration or a path to a saved one, as
     the engine passes it from kvtier_params={"calibration": PATH}, file made by `kvtier calibrate`) or
     per round from ctx.extras["triattention"]; the layer from ctx.extras["layer"] or the constructor
-    (not needed for a one-layer calibration). Keeps the whole prompt by default (paper §5.1).
+    (not needed for a one-layer calibration); ctx.extras["kv_heads"]: the model's KV head index of each
+    row (a tensor-parallel rank holds a slice of the calibration's heads), all heads in order by default.
+    Keeps the whole prompt by default (paper §5.1).
     """
 
     name = "triattention"
@@ -217,14 +222,18 @@ class TriAttentionPolicy(EvictionPolicy):
         if layer is None and cal.num_layers != 1:
             raise PolicyError(f"policy 'triattention' needs `layer` (ctx.extras['layer']) for a {cal.num_layers}-layer calibration")
         layer = 0 if layer is None else int(layer)
-        if not 0 <= layer < cal.num_layers or cal.num_heads != ctx.num_heads:
+        heads = ctx.extras.get("kv_heads")
+        n_heads = cal.num_heads if heads is None else len(heads)
+        if (not 0 <= layer < cal.num_layers or n_heads != ctx.num_heads
+                or (heads is not None and int(heads.max()) >= cal.num_heads)):
             raise PolicyError(f"layer={layer} / {ctx.num_heads} heads do not fit a calibration of {cal.num_layers} layers x {cal.num_heads} heads")
         if ctx.query_position is None:
             raise PolicyError("policy 'triattention' needs query_position but the context has none")
         if ctx.keys.shape[-1] != 2 * cal.omega.shape[0]:
             raise PolicyError(f"keys head_dim {ctx.keys.shape[-1]} != calibration head_dim {2 * cal.omega.shape[0]}")
         delta = ctx.query_position - ctx.positions  # [H, S]
-        positional = cal.series(layer, delta, self.offsets)
+        positional = cal.series(layer, delta, self.offsets, heads)
         re, im = rope_pairs(ctx.keys.double(), cal.rope_style)
-        beta = cal.norm_weight[layer].double().to(re.device).unsqueeze(1)  # [H, 1, M]
+        beta = cal.norm_weight[layer].double().to(re.device)
+        beta = (beta if heads is None else beta[heads.to(re.device)]).unsqueeze(1)  # [H, 1, M]
         return positional + ((re.square() + im.square()).sqrt() * beta).sum(dim=-1)

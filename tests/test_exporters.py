@@ -37,21 +37,22 @@ class FakeMetrics:
         self.Counter = self.Gauge = self.Histogram = _Metric
 
 
-def snapshot(events, tokens, freed, preempted):
+def snapshot(events, tokens, freed, preempted, failures=0):
     return {"engine": {"by_policy": {"random": {"events": events, "tokens_evicted": tokens}},
-                       "blocks_freed": freed, "preemptions_compressed": preempted}}
+                       "blocks_freed": freed, "preemptions_compressed": preempted, "policy_failures": failures}}
 
 
 def test_exporter_sends_deltas_under_catalog_names():
     fake = FakeMetrics()
     exp = EngineMetricsExporter("engine-cpu", metrics_module=lambda: fake)
     exp.update(snapshot(3, 30, 2, 0), {"free_blocks": 10, "total_blocks": 16}, [1.5, 2.0])
-    exp.update(snapshot(5, 50, 2, 1), {"free_blocks": 12, "total_blocks": 16}, [])
+    exp.update(snapshot(5, 50, 2, 1, failures=1), {"free_blocks": 12, "total_blocks": 16}, [])
     events = by_name("ray_kvtier_eviction_events_total").ray_name
     assert [c[1] for c in fake.calls[events]] == [3, 2]
     assert fake.calls[events][0][2] == {"deployment": "engine-cpu", "policy": "random"}
     assert [c[1] for c in fake.calls[by_name("ray_kvtier_kv_blocks_freed_total").ray_name]] == [2]
     assert [c[1] for c in fake.calls[by_name("ray_kvtier_preemptions_compressed_total").ray_name]] == [1]
+    assert [c[1] for c in fake.calls[by_name("ray_kvtier_policy_failures_total").ray_name]] == [1]
     assert [c[1] for c in fake.calls[by_name("ray_kvtier_eviction_round_seconds").ray_name]] == [0.0015, 0.002]
     assert [c[1] for c in fake.calls[by_name("ray_kvtier_kv_blocks_used").ray_name]] == [6, 4]
     assert [c[1] for c in fake.calls[by_name("ray_kvtier_kv_blocks_free").ray_name]] == [10, 12]

@@ -396,3 +396,18 @@ def run_rounds(name, protect, rounds=25, prompt_len=10, K=24, r=8, H=2, Hq=4, d=
 def test_prompt_survives_many_rounds_when_protected(name):
     assert run_rounds(name, protect=True) == set()
     assert run_rounds(name, protect=False), "control: without protection the unattractive prompt is evicted"
+
+
+def test_triattention_scores_a_tensor_parallel_slice_of_heads_with_their_calibration_rows():
+    """A rank holding KV heads [2, 4) of a 4-head calibration (ctx.extras["kv_heads"]) scores them exactly
+    as the full 4-head context scores those rows; a head index past the calibration is an error."""
+    from dataclasses import replace
+
+    policy = build("triattention", calibration=small_calibration(H=4))
+    full = make_ctx(H=4, Hq=8)
+    part = replace(full, positions=full.positions[2:], keys=full.keys[2:], values=full.values[2:],
+                   queries=full.queries[4:], attention=full.attention[2:],
+                   extras={**full.extras, "kv_heads": torch.tensor([2, 3])})
+    assert torch.equal(policy.score(part), policy.score(full)[2:])
+    with pytest.raises(PolicyError, match="do not fit"):
+        policy.score(replace(part, extras={**part.extras, "kv_heads": torch.tensor([3, 4])}))
