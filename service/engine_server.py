@@ -3,8 +3,9 @@
 Additions to the stock server:
 - `kvtier_generate(kind, body)`: completions/chat from a plain JSON body, answering plain JSON/SSE (the
   router never imports vLLM); vLLM's and kvtier's input errors become 400 bodies.
-- `kvtier_load()`: the scheduler's latest load (running / waiting requests, KV pool usage and free blocks),
-  captured by a stat logger attached to the engine; the router polls it for the KV-pressure rule.
+- `kvtier_load()`: the scheduler's load after its latest step (running / waiting requests, KV pool usage and
+  free blocks), captured by a stat logger attached to the engine, plus the requests the frontend has in
+  flight; the router polls every replica's load for the KV-pressure rule.
 - `kvtier_eviction_stats()`: the kvtier eviction counters from the worker (via `worker_ext`).
 The engine is warmed up with a 16-token prompt before it serves (see kvtier.engine.api.WARMUP_PROMPT_TOKENS).
 """
@@ -41,22 +42,27 @@ class LocalModelCallback(CallbackBase):
 
 
 class LoadTracker:
-    """A vLLM stat logger that keeps the latest scheduler stats (vLLM sends them after every engine step,
-    including the step that follows an abort, so an idle engine reports its idle pool)."""
+    """A vLLM stat logger keeping the scheduler's stats of its latest step, per engine index.
+
+    The engine core attaches `SchedulerStats` to the outputs of every step (including the step that
+    follows an abort or a finish, so an idle engine reports its idle pool), made after the step's KV
+    reclaim (kvtier's compaction frees tail blocks inside `schedule()`), and the frontend's output
+    handler hands them to every stat logger as soon as it reads them. While the engine is busy the load
+    is therefore at most one step old, and when it is idle it is the idle state. (The intermittent
+    "running=0 with every block free during a stream" seen in the e2e tests was not this path: the test's
+    HTTP client had itself closed the stream, see tests/test_service_e2e.py.)"""
 
     def __init__(self) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.kv_usage = 0.0
+        self.by_engine: dict[int, tuple[int, int, float]] = {}   # engine index -> (running, waiting, kv usage)
         self.updated_at = 0.0
         self.steps = 0
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         if scheduler_stats is None:
             return
-        self.running = scheduler_stats.num_running_reqs
-        self.waiting = scheduler_stats.num_waiting_reqs + getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
-        self.kv_usage = float(scheduler_stats.kv_cache_usage)
+        waiting = scheduler_stats.num_waiting_reqs + getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
+        self.by_engine[engine_idx or 0] = (scheduler_stats.num_running_reqs, waiting,
+                                           float(scheduler_stats.kv_cache_usage))
         self.updated_at = time.time()
         self.steps += 1
 
@@ -78,9 +84,14 @@ class KVTierVLLMEngine(VLLMEngine):
         self.node_id = ray.get_runtime_context().get_node_id()
         self.load_tracker = LoadTracker()
         manager = getattr(self._engine_client, "logger_manager", None)
-        if manager is not None:
-            manager.stat_loggers.append(self.load_tracker)
+        if manager is None:
+            raise RuntimeError("kvtier: the engine runs without vLLM's scheduler stats (disable_log_stats?); the "
+                               "router's KV-pressure rule reads them: leave disable_log_stats off")
+        manager.stat_loggers.append(self.load_tracker)
         await self._warm_up()
+        if self.load_tracker.steps == 0:  # the stats of the warm-up's steps must have reached the tracker
+            raise RuntimeError("kvtier: vLLM's scheduler stats do not reach kvtier's load tracker "
+                               f"(stat loggers: {[type(x).__name__ for x in manager.stat_loggers]})")
 
     async def _warm_up(self) -> None:
         from vllm import SamplingParams
@@ -91,14 +102,22 @@ class KVTierVLLMEngine(VLLMEngine):
             pass
 
     def load(self) -> dict[str, Any]:
+        """This replica's load: the scheduler's after its latest step (summed over data-parallel engines)."""
         cache = self._engine_client.vllm_config.cache_config
-        total = max((cache.num_gpu_blocks or 1) - 1, 0)  # the null block is never handed out
+        per_engine = max((cache.num_gpu_blocks or 1) - 1, 0)  # the null block is never handed out
         t = self.load_tracker
+        engines = list(t.by_engine.values()) or [(0, 0, 0.0)]
+        total = per_engine * len(engines)
+        free = sum(round((1.0 - usage) * per_engine) for _, _, usage in engines)
+        processor = getattr(self._engine_client, "output_processor", None)
+        now = time.time()
         return {
-            "running": t.running, "waiting": t.waiting, "kv_usage": t.kv_usage,
-            "total_blocks": total, "free_blocks": round((1.0 - t.kv_usage) * total),
-            "block_size": cache.block_size, "updated_at": t.updated_at, "steps": t.steps,
-            "stats_attached": self._engine_client.logger_manager is not None,
+            "running": sum(r for r, _, _ in engines), "waiting": sum(w for _, w, _ in engines),
+            "kv_usage": 1.0 - free / total if total else 0.0, "total_blocks": total, "free_blocks": free,
+            "block_size": cache.block_size, "updated_at": t.updated_at, "age_s": round(now - t.updated_at, 3),
+            "steps": t.steps,
+            # requests the frontend has sent to the engine core and not seen finish (a cross-check)
+            "in_flight": len(getattr(processor, "request_states", ())) if processor is not None else None,
             "errored": bool(getattr(self._engine_client, "errored", False)), "node_id": self.node_id,
         }
 
@@ -137,6 +156,7 @@ class KVTierLLMServer(LLMServer):
 
     async def kvtier_load(self) -> dict[str, Any]:
         load = self.engine.load()
+        load["replica"] = self._replica_id()
         exporter = self._metrics_exporter()
         if exporter is not None:
             exporter.update_load(load)   # gauges on every poll: Ray ages out gauges that are not refreshed
@@ -145,6 +165,16 @@ class KVTierLLMServer(LLMServer):
                 self._exported_at = now
                 asyncio.ensure_future(self._export_counters(exporter))
         return load
+
+    def _replica_id(self) -> str:
+        if getattr(self, "_replica", None) is None:
+            try:
+                from ray import serve
+
+                self._replica = serve.get_replica_context().replica_id.unique_id
+            except Exception:  # noqa: BLE001 - outside Serve (tests): one replica
+                self._replica = "local"
+        return self._replica
 
     def _metrics_exporter(self):
         """The catalog's engine metrics (created on first use; None if Ray metrics are unavailable)."""

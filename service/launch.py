@@ -1,16 +1,27 @@
-"""Start and stop the service on Ray: a local Ray (or an existing cluster), Serve's HTTP proxy, the app."""
+"""Start and stop the service on Ray: a local Ray (or an existing cluster), Serve's HTTP proxy, the app.
+
+`stop()` is bounded: on a Ray that `start()` launched it shuts Serve down, then Ray, then makes sure every
+process of that Ray session is gone (Ray's head processes, its agents, Serve's actors, the vLLM engine
+processes), terminating and finally killing what is left. On a cluster it only joined, it deletes its app.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 
 from .config import ServiceConfig
 
 logger = logging.getLogger("kvtier.service")
-_OWNED: dict = {"ray": False, "app": None}  # what start() brought up in this process, for stop()
+# what start() brought up in this process, for stop(): Ray (and its session directory), the app
+_OWNED: dict = {"ray": False, "app": None, "session_dir": None}
+# stop(): graceful Serve + Ray shutdown within this, then the session's leftovers get SIGTERM, then SIGKILL;
+# all within Kubernetes' default 30 s grace period
+STOP_TIMEOUT_S = 20.0
 
 
 @dataclass
@@ -19,6 +30,7 @@ class Running:
     app_name: str
     started_ray: bool
     seconds: float
+    session_dir: str | None = None   # the local Ray session this process started
 
 
 def _ray_init(cfg: ServiceConfig) -> bool:
@@ -26,16 +38,37 @@ def _ray_init(cfg: ServiceConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    address = cfg.server.ray_address
-    if address is None:
-        # A cluster of our own; token auth is for shared clusters (Ray 2.60 turns it on by default).
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=cfg.server.num_cpus, include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=False,
-                 _metrics_export_port=cfg.server.metrics_export_port)
-        return True
-    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-    return False
+    # Ray's core worker installs a C++ failure handler for SIGTERM in the driver (it aborts the process);
+    # keep the Python handlers the caller installed (kvtier serve's clean shutdown).
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        address = cfg.server.ray_address
+        if address is None:
+            # A cluster of our own; token auth is for shared clusters (Ray 2.60 turns it on by default).
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            _OWNED["ray"] = True   # from here on: a stop() (even mid-start) reaps what it launched
+            ray.init(address="local", num_cpus=cfg.server.num_cpus, include_dashboard=False,
+                     logging_level=logging.WARNING, log_to_driver=False,
+                     _metrics_export_port=cfg.server.metrics_export_port)
+            return True
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        return False
+    finally:
+        for sig, handler in handlers.items():
+            if callable(handler) and handler not in (signal.default_int_handler,):
+                signal.signal(sig, handler)
+
+
+def _session_dir() -> str | None:
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        return node.get_session_dir_path() if node is not None else None
+    except Exception:  # noqa: BLE001 - only used to find leftovers
+        return None
 
 
 def start(cfg: ServiceConfig, *, host: str | None = None, port: int | None = None) -> Running:
@@ -51,28 +84,130 @@ def start(cfg: ServiceConfig, *, host: str | None = None, port: int | None = Non
     port = cfg.server.port if port is None else port
     started_ray = _ray_init(cfg)
     _OWNED.update(ray=started_ray or _OWNED["ray"], app=cfg.server.app_name)
+    if started_ray:
+        _OWNED["session_dir"] = _session_dir()
     serve.start(proxy_location=cfg.server.proxy_location, http_options={"host": host, "port": port})
     app, _ = build_application(cfg, local_ray=started_ray)
     serve.run(app, name=cfg.server.app_name, route_prefix="/", blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return Running(f"http://{shown}:{port}", cfg.server.app_name, started_ray, time.time() - t0)
+    return Running(f"http://{shown}:{port}", cfg.server.app_name, started_ray, time.time() - t0,
+                   _OWNED["session_dir"] if started_ray else None)
 
 
-def stop(running: Running | None = None) -> None:
-    """Delete our app and, when we started Ray, stop Ray (and Serve with it). Safe after a failed start:
-    on a cluster we only joined, nothing but our app is touched."""
+def stop(running: Running | None = None, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Delete our app and, when we started Ray, shut Serve and Ray down and reap every process of that Ray
+    session. Bounded by about timeout_s + 6 s. Safe after a failed (or interrupted) start: on a cluster we
+    only joined, nothing but our app is touched."""
     import ray
     from ray import serve
 
+    owned_ray, session_dir = _OWNED["ray"], _OWNED["session_dir"]
+    procs = _descendants() if owned_ray else []   # before Ray goes: its agents outlive the raylet otherwise
     if not ray.is_initialized():
+        _reap(procs, session_dir, time.monotonic() + 5)
+        _OWNED.update(ray=False, app=None, session_dir=None)
         return
+    deadline = time.monotonic() + timeout_s
     app = running.app_name if running is not None else _OWNED["app"]
-    try:
-        if app is not None:
+
+    def shut_serve():
+        if owned_ray:
+            serve.shutdown()   # every app, the proxies and the controller: the cluster is ours
+        elif app is not None:
             serve.delete(app)  # engines drain and their vLLM processes exit
-    except Exception as exc:  # noqa: BLE001 - a failed start may have left no app; still stop our Ray
-        logger.warning("deleting Serve app %s: %s", app, exc)
+
+    try:
+        if not _bounded(shut_serve, deadline - 8 if owned_ray else deadline, "Serve shutdown"):
+            logger.warning("Serve did not shut down in time; stopping Ray anyway")
     finally:
-        if _OWNED["ray"]:
-            ray.shutdown()
-        _OWNED.update(ray=False, app=None)
+        if owned_ray:
+            _bounded(ray.shutdown, deadline, "Ray shutdown")
+            _reap(procs, session_dir, deadline)
+        _OWNED.update(ray=False, app=None, session_dir=None)
+
+
+def _bounded(fn, deadline: float, what: str) -> bool:
+    """Run fn in a daemon thread; False if it raised or is still running at the deadline."""
+    box: dict = {}
+
+    def target():
+        try:
+            fn()
+            box["ok"] = True
+        except Exception as exc:  # noqa: BLE001 - shutdown goes on
+            logger.warning("%s: %s", what, exc)
+
+    t = threading.Thread(target=target, name=f"kvtier-{what}", daemon=True)
+    t.start()
+    t.join(max(0.0, deadline - time.monotonic()))
+    return bool(box.get("ok"))
+
+
+def _descendants() -> list:
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _reap(procs: list, session_dir: str | None, deadline: float) -> None:
+    """Wait for the processes of our Ray session to exit (the snapshot of this process's descendants taken
+    before Ray shut down, plus any process whose command line names our session directory), then
+    SIGTERM and SIGKILL what is left. psutil refuses to signal a pid that was reused since the snapshot."""
+    import psutil
+
+    procs = list(procs)
+    if session_dir:
+        pids = {p.pid for p in procs}
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if p.pid not in pids and p.pid != os.getpid() and session_dir in " ".join(p.info["cmdline"] or ()):
+                    procs.append(p)
+            except psutil.Error:
+                pass
+    alive = _wait_gone(procs, max(1.0, min(10.0, deadline - time.monotonic())))
+    for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
+        if not alive:
+            return
+        logger.warning("kvtier: %s to %d leftover process(es) of the Ray session: %s", sig.name, len(alive),
+                       ", ".join(_describe(p) for p in alive[:10]))
+        for p in alive:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+        alive = _wait_gone(alive, wait_s)
+
+
+def _wait_gone(procs: list, timeout: float) -> list:
+    end = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if _running(p)]
+        if not alive or time.monotonic() >= end:
+            return alive
+        time.sleep(0.2)
+
+
+def _running(p) -> bool:
+    """Alive and not a zombie (our own exited children are reaped here)."""
+    import psutil
+
+    try:
+        if not p.is_running():   # gone, or its pid now belongs to another process
+            return False
+        if p.status() == psutil.STATUS_ZOMBIE:
+            if p.ppid() == os.getpid():
+                os.waitpid(p.pid, os.WNOHANG)
+            return False
+        return True
+    except (psutil.Error, ChildProcessError):
+        return False
+
+
+def _describe(p) -> str:
+    try:
+        return f"{p.pid} ({p.name()})"
+    except Exception:  # noqa: BLE001
+        return str(p.pid)

@@ -26,7 +26,7 @@ from .api_models import ChatBody, CompletionBody, ErrorBody, ModelCard, ModelLis
 from .auth import Authenticator, AuthError
 from .config import ServiceConfig
 from .metrics import RouterMetrics
-from .routing import Decision, EngineLoad, RequestShape, RouteError, resolve_model, route
+from .routing import Decision, EngineLoad, RequestShape, RouteError, aggregate_loads, engine_load, resolve_model, route
 
 logger = logging.getLogger("kvtier.service")
 
@@ -69,6 +69,11 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException):
     return error_response(exc.status_code, str(exc.detail), "http-error")
+
+
+MAX_LOAD_PROBES = 16   # load calls per engine deployment and poll
+REPLICA_FIELDS = ("running", "waiting", "kv_usage", "free_blocks", "total_blocks", "in_flight", "age_s", "steps",
+                  "node_id", "polled_at")
 
 
 # Helpers are defined before the deployment class: Serve pickles the class by value when it is
@@ -138,29 +143,60 @@ class KVTierRouter:
         by_path = {path: PromptCounter(path) for path in set(model_paths.values())}
         self.counters = {name: by_path[path] for name, path in model_paths.items()}
         self.loads: dict[str, EngineLoad] = {}
+        self.replica_loads: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in engines}
         self.engine_state: dict[str, dict[str, Any]] = {name: {"healthy": True, "last_ok": time.time()}
                                                         for name in engines}
         self.down = {name: asyncio.Event() for name in engines}   # set while an engine is not answering
         self._poller = asyncio.get_running_loop().create_task(self._poll_loads())
 
     # -- engine load --------------------------------------------------------------------------------
+    # Each poll asks every replica of the engine deployment for its load (`kvtier_load`, answered with the
+    # replica's id) and the router uses the aggregate (routing.aggregate_loads). Serve picks the replica of
+    # each call, so a poll sends one call per replica it expects; replicas that stop answering are dropped.
+    def _expected_replicas(self, name: str) -> int | None:
+        """The engine deployment's fixed replica count, or None when it autoscales."""
+        dep = self.cfg.engines[name].deployment
+        n = dep.get("num_replicas", 1)
+        return None if dep.get("autoscaling_config") or not isinstance(n, int) else max(n, 1)
+
     async def _poll_once(self, name: str) -> None:
         poll = self.cfg.server.load_poll_s
         state = self.engine_state[name]
-        try:
-            raw = await asyncio.wait_for(self.engines[name].kvtier_load.remote(), timeout=max(2.0, 2 * poll))
-        except Exception as exc:  # noqa: BLE001 - any failure means "not answering"
+        replicas = self.replica_loads[name]
+        expected = self._expected_replicas(name)
+        probes = min(MAX_LOAD_PROBES, max(expected or len(replicas) + 1, len(replicas), 1))
+        timeout = max(2.0, 2 * poll)
+        results = await asyncio.gather(*(asyncio.wait_for(self.engines[name].kvtier_load.remote(), timeout=timeout)
+                                         for _ in range(probes)), return_exceptions=True)
+        now = time.time()
+        answers = [r for r in results if isinstance(r, dict)]
+        if not answers:  # any failure of every call means "not answering"
+            exc = next(r for r in results if isinstance(r, BaseException))
             state["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            if _is_dead(exc):
+                replicas.clear()
             if not state.get("answered") and not _is_dead(exc):
                 return  # still starting: Serve queues requests until the replica is up
-            state["healthy"] = time.time() - state["last_ok"] < max(4.0, 4 * poll) and not _is_dead(exc)
+            state["healthy"] = now - state["last_ok"] < max(4.0, 4 * poll) and not _is_dead(exc)
             if not state["healthy"]:
+                replicas.clear()
                 self.loads.pop(name, None)
                 self.down[name].set()
             return
-        state.update(raw, healthy=not raw.get("errored"), last_ok=time.time(), error=None, answered=True)
+        for raw in answers:
+            replicas[str(raw.get("replica", "?"))] = {**raw, "polled_at": now}
+        for rid in [r for r, x in replicas.items() if now - x["polled_at"] > max(5.0, 5 * poll)]:
+            del replicas[rid]   # gone, replaced or scaled down
+        if expected is not None and len(replicas) > expected:   # a replaced replica: keep the newest answers
+            for rid in sorted(replicas, key=lambda r: replicas[r]["polled_at"])[:len(replicas) - expected]:
+                del replicas[rid]
+        agg = aggregate_loads(replicas)
+        nodes = {x.get("node_id") for x in replicas.values()}
+        state.update(agg, healthy=not agg["errored"], last_ok=now, error=None, answered=True,
+                     node_id=next(iter(nodes)) if len(nodes) == 1 else None,
+                     replica_loads={r: {k: x.get(k) for k in REPLICA_FIELDS} for r, x in replicas.items()})
         self.down[name].clear()
-        self.loads[name] = EngineLoad(kv_usage=raw["kv_usage"], waiting=raw["waiting"], running=raw["running"])
+        self.loads[name] = engine_load(agg)
 
     async def _poll_loads(self) -> None:
         while True:

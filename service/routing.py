@@ -50,12 +50,37 @@ class RequestShape:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    kv_usage: float = 0.0           # 0..1 share of the KV pool in use
-    waiting: int = 0                # requests queued in the scheduler
+    kv_usage: float = 0.0           # 0..1 share of the KV pool in use (all replicas' pools together)
+    waiting: float = 0              # requests queued in the scheduler (per replica, on average)
     running: int = 0
 
     def pressured(self, p: PressureConfig) -> bool:
         return self.kv_usage >= p.kv_usage or self.waiting >= max(p.queue_depth, 1)
+
+
+def aggregate_loads(replicas: dict[str, dict]) -> dict:
+    """One engine deployment's load from its replicas' `kvtier_load()` answers: requests and KV blocks
+    summed over the replicas, `kv_usage` = used / total blocks over all their pools, and `waiting_per_replica`
+    the mean queue (what the pressure rule compares with `queue_depth`, a per-engine threshold). Serve
+    sends each request to one of the replicas, preferring the less loaded of two, so the pressure rule
+    reads the deployment as a whole rather than whichever replica answered last."""
+    loads = list(replicas.values())
+    total = sum(int(x.get("total_blocks", 0)) for x in loads)
+    free = sum(int(x.get("free_blocks", 0)) for x in loads)
+    waiting = sum(int(x.get("waiting", 0)) for x in loads)
+    return {
+        "replicas": len(loads), "running": sum(int(x.get("running", 0)) for x in loads), "waiting": waiting,
+        "waiting_per_replica": waiting / len(loads) if loads else 0.0,
+        "total_blocks": total, "free_blocks": free, "kv_usage": (total - free) / total if total else 0.0,
+        "in_flight": sum(int(x.get("in_flight") or 0) for x in loads),
+        "block_size": loads[0].get("block_size") if loads else None,
+        "errored": any(x.get("errored") for x in loads),
+    }
+
+
+def engine_load(aggregate: dict) -> EngineLoad:
+    return EngineLoad(kv_usage=aggregate["kv_usage"], waiting=aggregate["waiting_per_replica"],
+                      running=aggregate["running"])
 
 
 @dataclass(frozen=True)

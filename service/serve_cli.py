@@ -1,5 +1,6 @@
 """`kvtier serve [--config configs/local.yaml]`: start Ray and the service, print a ready line and an
-example request, and shut everything down on Ctrl-C."""
+example request, and shut everything down on Ctrl-C (SIGINT) or SIGTERM (what Kubernetes and process
+managers send), also when started as a background job (which starts with SIGINT ignored)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import shlex
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -62,13 +64,27 @@ def serve_command(
     if cfg.open_mode:
         typer.echo("kvtier serve: OPEN MODE - no API keys configured; anyone who can reach the port may use every tier")
     stop_event = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+    phase = {"now": "starting"}
+
+    def on_signal(signum, frame):
+        if phase["now"] == "stopping":
+            typer.echo(f"kvtier serve: {signal.Signals(signum).name} again: already shutting down", err=True)
+            return
+        stop_event.set()
+        if phase["now"] == "starting":   # interrupt the start-up; the finally block cleans up
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGINT):   # SIGINT explicitly: a background job starts with it ignored
+        signal.signal(sig, on_signal)
     running = prom = None
     try:
         typer.echo("kvtier serve: starting Ray and the engines (about a minute on CPU) ...")
         running = start(cfg, host=host, port=port)
+        phase["now"] = "serving"
         typer.echo(f"kvtier serve: READY at {running.url} (models: {', '.join(cfg.model_ids)}) "
-                   f"after {running.seconds:.0f} s. Ctrl-C to stop.")
+                   f"after {running.seconds:.0f} s. Ctrl-C or SIGTERM to stop.")
+        if running.session_dir:
+            typer.echo(f"kvtier serve: local Ray session {running.session_dir}")
         key = None
         if not cfg.open_mode:
             key = "$KVTIER_API_KEY"
@@ -88,11 +104,13 @@ def serve_command(
     except KeyboardInterrupt:
         pass
     finally:
+        phase["now"] = "stopping"
         typer.echo("kvtier serve: shutting down ...")
+        t0 = time.monotonic()
         if prom is not None:
             prom.stop()
         stop(running)
-        typer.echo("kvtier serve: stopped")
+        typer.echo(f"kvtier serve: stopped ({time.monotonic() - t0:.0f} s)")
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:

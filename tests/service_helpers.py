@@ -32,19 +32,25 @@ def service_env(**extra: str) -> dict[str, str]:
 
 
 class ServeProcess:
-    """`kvtier serve --config FILE --port N` in its own process group; output goes to a log file."""
+    """`kvtier serve --config FILE --port N` in its own session (process group); output goes to a log file.
+    config=None: the embedded default (configs/local.yaml). as_background_job: start with SIGINT ignored,
+    as a shell's background job (`kvtier serve &`) is."""
 
-    def __init__(self, config: dict, tmp: Path, name: str = "service", env: dict[str, str] | None = None,
-                 args: tuple[str, ...] = ()):
+    def __init__(self, config: dict | None, tmp: Path, name: str = "service", env: dict[str, str] | None = None,
+                 args: tuple[str, ...] = (), as_background_job: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.config_path = tmp / f"{name}.yaml"
-        self.config_path.write_text(yaml.safe_dump(config))
+        cmd = [KVTIER, "serve"]
+        if config is not None:
+            self.config_path = tmp / f"{name}.yaml"
+            self.config_path.write_text(yaml.safe_dump(config))
+            cmd += ["--config", str(self.config_path)]
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([KVTIER, "serve", "--config", str(self.config_path), "--port", str(self.port), *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env or service_env(),
-                                     start_new_session=True)
+        preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if as_background_job else None
+        self.proc = subprocess.Popen([*cmd, "--port", str(self.port), *args], stdout=self._log,
+                                     stderr=subprocess.STDOUT, cwd=ROOT, env=env or service_env(),
+                                     start_new_session=True, preexec_fn=preexec)
         self.ready_after: float | None = None
 
     def log(self) -> str:

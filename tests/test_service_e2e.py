@@ -26,7 +26,8 @@ CONFIG = {
     "engines": {"cpu": {
         "model": "tiny", "model_id": MODEL, "max_model_len": 2048, "kv_cache_bytes": "32MiB",
         "engine_kwargs": {"max_num_seqs": 8, "enforce_eager": True},
-        "pressure": {"kv_usage": 0.95, "queue_depth": 8},
+        # KV pressure at half the pool (test_kv_pressure_* fills it; the other tests stay far below)
+        "pressure": {"kv_usage": 0.5, "queue_depth": 8},
     }},
     "tiers": [
         {"name": "full", "engine": "cpu", "budget": "full"},
@@ -94,7 +95,7 @@ def stream_headers(client, *, lines=2, **kwargs):
     """Open a streaming completion, read its headers and a few events, then hang up."""
     with client.completions.with_streaming_response.create(model=MODEL, stream=True, **kwargs) as resp:
         got = []
-        for line in resp.iter_lines():
+        for line in resp.iter_lines():  # leaving this loop closes the connection (see _hang_up_after)
             if line.startswith("data: "):
                 got.append(line)
             if len(got) >= lines:
@@ -210,17 +211,32 @@ def test_engine_keeps_serving_after_bad_input(client, http):
 
 
 def _hang_up_after(client, events: int, check=None):
-    """Open a long full-attention stream, read `events` SSE events, run check() while it is open, hang up."""
+    """Open a long full-attention stream, read `events` SSE events, run check() while it is open, hang up.
+
+    The line iterator is held until the hang-up on purpose: leaving `for line in resp.iter_lines()` with
+    `break` drops the generator, and its close() makes httpcore close the connection right away (not at
+    the end of the `with` block). That is what the old version of this helper did, so the "stream being
+    served" during check() had already been hung up on: the proxy logged the client's disconnect ~0.1 s
+    after the request, the engine aborted it and reported running=0 with every block free - truthfully.
+    Whether check()'s first poll beat the abort decided the old, intermittent result."""
     with client.chat.completions.with_streaming_response.create(
             model=MODEL, messages=[{"role": "user", "content": "Write a very long story."}], max_tokens=1800,
             stream=True, extra_body={"tier": "full", **NO_EOS}) as resp:
+        lines = resp.iter_lines()
         n = 0
-        for line in resp.iter_lines():
+        for line in lines:
             n += line.startswith("data: ")
             if n >= events:  # generating: ~1800 tokens still to go (~25 s on the tiny model)
                 break
         if check is not None:
             check()
+            after = 0   # the stream is still being served: more events arrive
+            for line in lines:
+                after += line.startswith("data: ")
+                if after >= 5:
+                    break
+            assert after >= 5, "the stream ended while check() ran"
+        lines.close()   # hang up
 
 
 def test_client_disconnect_mid_stream_frees_kv_blocks(client, http):
@@ -233,19 +249,23 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(client, http):
     assert http.get("/v1/kvtier/stats").json()["router"]["tiers"]["full"]["cancelled"] == hung_up + 1
 
 
-@pytest.mark.xfail(strict=False, reason="intermittent, under investigation: the polled engine load sometimes "
-                   "reads running=0 with every block free while a stream is being served (see the issue note)")
 def test_polled_load_shows_a_streaming_request(client, http):
     idle = wait_idle(http)
+    seen = []
 
     def busy():
         t0 = time.time()
         while (st := engine_state(http))["running"] != 1 and time.time() - t0 < 5:
             time.sleep(0.2)
-        assert st["running"] == 1 and st["free_blocks"] < idle["total_blocks"], json.dumps(st)
+        assert st["running"] == 1 and st["waiting"] == 0, json.dumps(st)
+        assert st["free_blocks"] < idle["total_blocks"] and st["kv_usage"] > 0, json.dumps(st)
+        assert st["in_flight"] == 1 and st["replicas"] == 1, json.dumps(st)
+        seen.append(st)
 
     _hang_up_after(client, 3, busy)
-    wait_idle(http, timeout=30)
+    assert seen
+    back = wait_idle(http, timeout=30)
+    assert back["free_blocks"] == back["total_blocks"] and back["in_flight"] == 0
 
 
 def test_fuzz_openapi_schema_finds_no_5xx(service, http):
@@ -291,6 +311,95 @@ def test_fuzz_openapi_schema_finds_no_5xx(service, http):
     assert not failures, failures[:5]
     assert http.get("/health").json()["status"] == "ok"
     wait_idle(http, timeout=60)
+
+
+# -- KV pressure ---------------------------------------------------------------------------------------------
+def _ids(n: int, salt: int) -> list[int]:
+    """A token-id prompt of exactly n tokens (the router counts ids as they are)."""
+    return [10 + (salt * 7919 + i * 31) % 4000 for i in range(n)]
+
+
+def test_kv_pressure_falls_back_to_a_smaller_budget(service, http):
+    """Long full-attention requests fill more than half the pool (the engine's pressure threshold, read
+    from the polled load); an automatically routed request that would go to full attention is then served
+    by the largest compressed tier whose KV bound is smaller (k256), says so in its headers, and completes;
+    once the pool drains the same request goes to full attention again."""
+    idle = wait_idle(http)
+    threshold = CONFIG["engines"]["cpu"]["pressure"]["kv_usage"]
+    # 200 prompt tokens leave under half of every K for the trace -> no compressed fit -> full attention
+    # (KV bound 200 + 200); under pressure k256 holds the prompt with a bound of min(400, 256 + 2*32) = 320.
+    probe = {"model": MODEL, "prompt": _ids(200, 0), "max_tokens": 200, **NO_EOS}
+
+    def route_of(body) -> tuple[str, str]:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:  # headers only
+            assert r.status_code == 200, r.read()
+            return r.headers["x-kvtier-tier"], r.headers["x-kvtier-reason"]
+
+    assert route_of(probe) == ("full", "no-compressed-fit")
+    wait_idle(http)
+
+    # 6 x 1600 prompt tokens = 6 x 13 of the pool's 127 blocks once prefilled (> half), growing to 6 x 16
+    def long_full(i):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": _ids(1600, i + 1), "max_tokens": 400,
+                                               "tier": "full", **NO_EOS}, timeout=600)
+        return r.status_code, r.headers.get("x-kvtier-tier"), r.json()
+
+    fillers = [run_in_thread(long_full, i) for i in range(6)]
+    t0 = time.time()
+    while (st := engine_state(http))["kv_usage"] < threshold:
+        assert time.time() - t0 < 120, f"pool never reached {threshold}: {json.dumps(st)}"
+        assert all(t.is_alive() for t, _ in fillers), [box for _, box in fillers]
+        time.sleep(0.2)
+    assert st["running"] >= 4 and st["in_flight"] == 6, json.dumps(st)
+
+    # under pressure: a whole response and a stream, sent together, both through the fallback tier
+    def whole():
+        r = http.post("/v1/completions", json=probe, timeout=600)
+        return r.status_code, dict(r.headers), r.json()
+
+    def streamed():
+        out = {"events": 0, "finish": None, "done": False}
+        with http.stream("POST", "/v1/completions", json={**probe, "stream": True}, timeout=600) as s:
+            out["status"], out["headers"] = s.status_code, dict(s.headers)
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[len("data: "):])
+                    assert "error" not in event, event
+                    out["events"] += 1
+                    for choice in event.get("choices") or []:
+                        out["finish"] = choice.get("finish_reason") or out["finish"]
+                out["done"] = out["done"] or line == "data: [DONE]"
+        return out
+
+    probes = [run_in_thread(whole), run_in_thread(streamed)]
+    for t, _ in probes:
+        t.join(600)
+        assert not t.is_alive()
+    (_, w), (_, st) = probes
+    assert "error" not in w and "error" not in st, (w, st)
+    status, headers, body = w["result"]
+    assert status == 200, body
+    assert (headers["x-kvtier-tier"], headers["x-kvtier-reason"]) == ("k256", "pressure-fallback"), headers
+    assert "under KV pressure" in headers["x-kvtier-detail"] and "full -> k256" in headers["x-kvtier-detail"]
+    assert body["usage"]["completion_tokens"] == 200 and body["choices"][0]["finish_reason"] == "length", body
+    out = st["result"]
+    assert out["status"] == 200
+    assert (out["headers"]["x-kvtier-tier"], out["headers"]["x-kvtier-reason"]) == ("k256", "pressure-fallback")
+    assert out["done"] and out["finish"] == "length" and out["events"] >= 50, out
+
+    for t, box in fillers:   # the long requests complete too
+        t.join(600)
+        assert not t.is_alive()
+        status, tier, out = box["result"]
+        assert status == 200 and tier == "full" and out["usage"]["completion_tokens"] == 400, out
+
+    decisions = http.get("/v1/kvtier/stats").json()["router"]["decisions"]
+    fallback = [d for d in decisions if d["reason"] == "pressure-fallback"]
+    assert fallback and fallback[0]["tier"] == "k256" and fallback[0]["count"] >= 2, decisions
+    back = wait_idle(http, timeout=60)   # every block back in the pool
+    assert back["free_blocks"] == back["total_blocks"] == idle["total_blocks"]
+    assert route_of(probe) == ("full", "no-compressed-fit")   # no pressure, no fallback
+    wait_idle(http)
 
 
 # -- disconnects and engine failures ----------------------------------------------------------------------

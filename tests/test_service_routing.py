@@ -6,7 +6,7 @@ import pytest
 
 from kvtier.service.auth import OPEN_TENANT, Authenticator, AuthError
 from kvtier.service.config import ConfigError, load_config, parse_bytes, parse_config
-from kvtier.service.routing import EngineLoad, RequestShape, RouteError, kv_bound, route
+from kvtier.service.routing import EngineLoad, RequestShape, RouteError, aggregate_loads, engine_load, kv_bound, route
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -224,6 +224,21 @@ def test_pressure_fallback_across_engines():
     d = decide(cfg, 300, 700, allowed={"full", "k1"}, loads={"a": hot})      # short: k1 would hold as much
     assert (d.tier.name, d.reason) == ("full", "pressure-queued")
     assert decide(cfg, 20, 900, allowed=tiers, loads={"a": hot}).reason == "cheapest-fit"
+
+
+def test_engine_load_aggregates_every_replica():
+    """The router polls every replica of an engine deployment; the pressure rule reads the aggregate."""
+    a = {"running": 3, "waiting": 0, "free_blocks": 10, "total_blocks": 100, "in_flight": 3, "block_size": 128}
+    b = {"running": 8, "waiting": 6, "free_blocks": 2, "total_blocks": 100, "in_flight": 14, "block_size": 128}
+    agg = aggregate_loads({"r1": a, "r2": b})
+    assert agg["replicas"] == 2 and agg["running"] == 11 and agg["waiting"] == 6 and agg["in_flight"] == 17
+    assert (agg["free_blocks"], agg["total_blocks"]) == (12, 200) and agg["kv_usage"] == pytest.approx(0.94)
+    load = engine_load(agg)
+    assert load.waiting == 3 and load.pressured(make_cfg().engines["cpu"].pressure)   # 0.94 >= 0.8
+    cool = engine_load(aggregate_loads({"r1": {**a, "free_blocks": 90}, "r2": {**b, "free_blocks": 50, "waiting": 6}}))
+    assert cool.kv_usage == pytest.approx(0.3) and not cool.pressured(make_cfg().engines["cpu"].pressure)  # 3 < 4
+    assert engine_load(aggregate_loads({"r1": a})).kv_usage == pytest.approx(0.9)      # one replica: its own
+    assert aggregate_loads({})["kv_usage"] == 0.0
 
 
 # -- API keys --------------------------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""`kvtier serve` stops cleanly: the embedded default config (tiny model, local Ray) started as a subprocess
+in its own session, one request served, then SIGTERM (what Kubernetes and process managers send) or SIGINT
+to a background job (which starts with SIGINT ignored). It must exit 0 within 60 s and leave no process of
+its Ray session behind: none of its descendants (Ray's head processes and agents, Serve's controller,
+proxy and replicas, the vLLM engine processes) and nothing whose command line names the session."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+psutil = pytest.importorskip("psutil")
+pytest.importorskip("ray.serve")
+pytest.importorskip("vllm")
+
+from service_helpers import ServeProcess  # noqa: E402
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _describe(p: psutil.Process) -> str:
+    try:
+        return f"{p.pid} {p.name()} {' '.join(p.cmdline())[:160]}"
+    except psutil.Error:
+        return str(p.pid)
+
+
+def _session_processes(session: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if session in " ".join(p.info["cmdline"] or ()):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("sig, background", [(signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["sigterm", "sigint-background-job"])
+def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background):
+    svc = ServeProcess(None, tmp_path, as_background_job=background)
+    procs: list[psutil.Process] = []
+    try:
+        svc.wait_ready()
+        log = svc.log()
+        match = re.search(r"local Ray session (\S+)", log)
+        assert match, log[-3000:]
+        session = match.group(1)
+        with httpx.Client(base_url=svc.url, timeout=120) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            r = http.post("/v1/completions", json={"model": model, "prompt": "Hello world", "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvtier-tier"] and r.json()["usage"]["completion_tokens"] >= 1
+
+        procs = svc.descendants()
+        names = " | ".join(_describe(p) for p in procs)
+        for needle in ("raylet", "gcs_server", "DashboardAgent", "RuntimeEnvAgent", "ServeController",
+                       "ProxyActor", "ServeReplica:kvtier:engine", "VLLM::EngineCore"):
+            assert needle in names, f"{needle} not among the service's processes: {names}"
+        assert _session_processes(session), "no process names the Ray session before the stop"
+
+        t0 = time.time()
+        svc.proc.send_signal(sig)
+        code = svc.proc.wait(60)
+        took = time.time() - t0
+        log = svc.log()
+        print(f"\n[{signal.Signals(sig).name}: exit {code} after {took:.1f} s; {len(procs)} processes watched]")
+        assert code == 0, log[-3000:]
+        assert "kvtier serve: stopped" in log, log[-3000:]
+        left = [_describe(p) for p in procs if _alive(p)]
+        assert not left, f"left running after exit: {left}\n{log[-2000:]}"
+        named = [_describe(p) for p in _session_processes(session) if _alive(p)]
+        assert not named, f"processes of {session} left: {named}"
+    finally:
+        if svc.proc.poll() is None:
+            svc.proc.kill()
+            svc.proc.wait(10)
+        for p in procs:   # only what this test's service started
+            if _alive(p):
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+        svc.stop()
