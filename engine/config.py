@@ -17,6 +17,7 @@ REQUEST_KEYS = {
     "kvtier_policy": "policy",
     "kvtier_buffer": "buffer",
     "kvtier_protect_prompt": "protect_prompt",
+    "kvtier_protect_prefix": "protect_prefix",
     "kvtier_sinks": "sinks",
     "kvtier_seed": "seed",
     "kvtier_params": "params",
@@ -36,6 +37,10 @@ class EvictionSpec(BaseModel):
     budget: int | None = Field(default=None, gt=0)
     buffer: int = Field(default=64, gt=0)
     protect_prompt: bool | None = None
+    # Protect only the first N prompt tokens (None: the policy's rule, i.e. the whole prompt when
+    # protect_prompt is on). Multi-turn requests (resent history) and resumed partial rollouts set it to
+    # the first turn / original prompt, so a context longer than K can still run compressed.
+    protect_prefix: int | None = Field(default=None, ge=0)
     sinks: int | None = Field(default=None, ge=0)
     seed: int | None = None
     params: dict[str, Any] = Field(default_factory=dict)
@@ -64,12 +69,16 @@ class EvictionSpec(BaseModel):
         kw = dict(self.params)
         if self.protect_prompt is not None:
             kw["protect_prompt"] = self.protect_prompt
+        if self.protect_prefix is not None:
+            kw["protect_prefix"] = self.protect_prefix
         if self.sinks is not None:
             kw["sinks"] = self.sinks
         return kw
 
     def max_blocks(self, prompt_len: int, max_tokens: int, block_size: int) -> int:
-        """Blocks this request can ever hold: the cache never exceeds max(prompt, K + 2r) entries."""
+        """Blocks this request can ever hold: the cache never exceeds max(prompt, K + 2r) entries (a prompt
+        longer than K + 2r, possible with protect_prefix, is compacted to K + r at the first decode step,
+        before that step's slot is allocated)."""
         total = prompt_len + max_tokens
         if self.compressed:
             total = min(total, max(prompt_len, self.budget + 2 * self.buffer))

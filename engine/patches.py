@@ -23,6 +23,7 @@ class Patch:
     target: str     # "module:Class.method"
     why: str        # what it changes and what it assumes about vLLM 0.31
     make: Callable  # original -> replacement
+    when: Callable[[], bool] | None = None   # installed only where this holds (None: always)
 
 
 def _resolve(target: str):
@@ -195,6 +196,23 @@ def _prepare_inputs(orig):
     return _prepare_inputs
 
 
+def _wake_up(orig):
+    @functools.wraps(orig)
+    def wake_up(self, tags=None, *args, **kwargs):
+        out = orig(self, tags, *args, **kwargs)
+        ev = getattr(getattr(self, "model_runner", None), "kvtier", None)
+        if ev is not None:
+            ev.on_wake(tags)
+        return out
+    return wake_up
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 # -- every process (config) ------------------------------------------------------------------------
 class _PatchedProperty(property):
     """A property that takes attributes: install() marks each replacement with __kvtier_patched__ /
@@ -321,6 +339,20 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
           "after inputs are prepared, rewrite slot mapping and seq_lens to physical positions; positions "
           "(RoPE) stay logical", _prepare_inputs),
+    Patch("vllm.v1.worker.gpu_worker:Worker.wake_up",
+          "after vLLM wakes the worker (sleep levels 1 and 2 discard the 'kv_cache' memory pool; the CuMem "
+          "allocator re-maps it at the same addresses with its contents lost), rebuild kvtier's device "
+          "tables (paged-layout offsets, row table, global KV heads) from host copies and the row views "
+          "from the caches as bound now, and reset per-request worker state (vLLM preempted or aborted "
+          "every request at sleep). vLLM 0.31 allocates only the KV tensors inside the pool "
+          "(initialize_kv_cache_tensors), but nothing kvtier needs relies on that. Assumes Worker.wake_up("
+          "tags) is what executor.wake_up's collective_rpc('wake_up') runs (XPUWorker inherits it)",
+          _wake_up),
+    Patch("vllm.v1.worker.cpu_worker:CPUWorker.wake_up",
+          "the same hook on the CPU worker, whose wake_up overrides Worker.wake_up without calling it "
+          "(vLLM has no sleep mode on CPU; LLM.sleep/wake_up still run the whole dispatch down to the "
+          "worker, which is how tests exercise the rebuild). Installed only on the CPU platform",
+          _wake_up, when=_on_cpu),
     Patch("vllm.config.vllm:VllmConfig.use_v2_model_runner",
           "force vLLM's V1 model runner when kvtier eviction is configured (V2 is vLLM's default on GPU with "
           "Triton; every worker patch targets the V1 GPUModelRunner), logging the override once; where V2 is "
@@ -337,6 +369,8 @@ def install() -> None:
     if _INSTALLED:
         return
     for patch in PATCHES:
+        if patch.when is not None and not patch.when():
+            continue
         owner, name = _resolve(patch.target)
         original = getattr(owner, name)
         if getattr(original, "__kvtier_patched__", False):

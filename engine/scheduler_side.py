@@ -24,6 +24,7 @@ class RequestEviction:
     max_blocks: int
     offset: int = 0          # logical length - physical length
     rounds: int = 0
+    compacted: bool = False  # a round ran since the cache was last (re)built chronologically
 
 
 @dataclass
@@ -59,6 +60,7 @@ class SchedulerEviction:
         # vLLM frees every block and recomputes prompt + outputs from scratch: the compressed state is
         # gone with the blocks, and a copy still pending would write into blocks now owned by others.
         st.offset = 0
+        st.compacted = False
         self.pending.pop(request.request_id, None)
         # The reset (with the row its recompute samples from) is sent when the request resumes: under
         # async scheduling an in-flight token may still be appended after the preemption.
@@ -93,13 +95,14 @@ class SchedulerEviction:
                 continue
             sched = st.spec.schedule()
             physical = request.num_computed_tokens - st.offset
-            if not sched.due(physical, request.num_computed_tokens - st.prompt_len):
+            if not sched.due(physical, request.num_computed_tokens - st.prompt_len, st.compacted):
                 continue
             new_len = sched.settled_len
             keep_blocks = -(-new_len // self.block_size)
             self.blocks_freed += compat.free_tail_blocks(scheduler, rid, keep_blocks)
             st.offset += physical - new_len
             st.rounds += 1
+            st.compacted = True
             self.pending[rid] = CompactionOp(
                 req_id=rid, old_len=physical, new_len=new_len, keep_blocks=keep_blocks,
                 prompt_len=st.prompt_len, spec=st.spec, round=st.rounds,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 
@@ -26,6 +27,7 @@ class EngineCounters:
     blocks_freed: int = 0
     preemptions_compressed: int = 0
     policy_failures: int = 0         # rounds whose policy raised (the request was aborted with an error)
+    wakeups: int = 0                 # wake-ups after vLLM sleep mode (device tables rebuilt each time)
     round_ms_sum: float = 0.0
     round_ms_count: int = 0
     round_ms_buckets: list[int] = field(default_factory=lambda: [0] * (len(ROUND_MS_BUCKETS) + 1))
@@ -33,12 +35,23 @@ class EngineCounters:
 
 
 class EvictionStats:
-    """Engine totals plus per-request counters (finished requests kept in a bounded LRU)."""
+    """Engine totals plus per-request counters.
 
-    def __init__(self, keep_finished: int = 4096) -> None:
+    A request's counters live while it runs, however many requests there are: only finished requests
+    (`finish`, called with the scheduler's finished_req_ids) are ever dropped, the oldest first, once more
+    than `keep_finished` of them are kept AND the oldest finished more than `keep_finished_s` seconds ago
+    (so a reader that asks right after a request finishes still finds it); `max_finished` bounds memory
+    whatever the age."""
+
+    def __init__(self, keep_finished: int = 4096, keep_finished_s: float = 300.0, max_finished: int = 65536,
+                 clock=time.monotonic) -> None:
         self.engine = EngineCounters()
-        self.requests: "OrderedDict[str, RequestCounters]" = OrderedDict()
+        self.requests: dict[str, RequestCounters] = {}
         self.keep_finished = keep_finished
+        self.keep_finished_s = keep_finished_s
+        self.max_finished = max(max_finished, keep_finished)
+        self._finished: "OrderedDict[str, float]" = OrderedDict()   # finished request -> when
+        self._clock = clock
         self._lock = threading.Lock()
         self._round_ms_samples: deque[float] = deque(maxlen=10000)  # drained by metric exporters
 
@@ -64,10 +77,30 @@ class EvictionStats:
     def request(self, req_id: str) -> RequestCounters:
         rc = self.requests.get(req_id)
         if rc is None:
-            rc = self.requests[req_id] = RequestCounters()
-            while len(self.requests) > self.keep_finished:
-                self.requests.popitem(last=False)
+            with self._lock:
+                rc = self.requests[req_id] = RequestCounters()
         return rc
+
+    def finish(self, req_ids) -> None:
+        """These requests finished (or were aborted): their counters may be dropped later, oldest first."""
+        now = self._clock()
+        with self._lock:
+            for rid in req_ids:
+                if rid in self.requests:
+                    self._finished[rid] = now
+                    self._finished.move_to_end(rid)
+            while self._finished:
+                rid, when = next(iter(self._finished.items()))
+                over = len(self._finished) > self.keep_finished
+                if not (len(self._finished) > self.max_finished or (over and now - when > self.keep_finished_s)):
+                    break
+                self._finished.popitem(last=False)
+                self.requests.pop(rid, None)
+
+    @property
+    def running(self) -> int:
+        """Requests with counters that have not finished."""
+        return len(self.requests) - len(self._finished)
 
     def observe_round_ms(self, ms: float) -> None:
         self._round_ms_samples.append(ms)

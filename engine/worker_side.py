@@ -27,7 +27,7 @@ from torch import Tensor
 
 from kvtier.policies import EvictionContext
 from kvtier.policies.base import ATTENTION, BUFFER_KEYS, KEYS, QUERIES, VALUES
-from kvtier.policies.keyed_random import keyed_subsets, row_keys, seed_key
+from kvtier.policies.keyed_random import keyed_victims, seed_key
 from kvtier.policies.random import RandomPolicy
 
 from . import compat
@@ -76,14 +76,14 @@ class WorkerEviction:
         scales = [float(getattr(layer.impl, "scale", self.head_dim ** -0.5)) for layer in self.layers]
         caches = [compat.layer_cache(layer) for layer in self.layers]
         self.device, self.dtype = caches[0].device, caches[0].dtype
-        self.layout: PagedLayout = probe_layout(
-            caches[0], runner.kv_cache_config.num_blocks, self.num_kv_heads, self.block_size, self.head_dim,
-            lambda k, v, cache, slots: compat.write_kv(self.layers[0], k, v, cache, slots))
-        self.rows = RowLayout.from_layout(self.layout, self.device)
-        self.row_views = [self.rows.view(self.layout.flat(c)) for c in caches]
         # Tensor parallelism: this rank holds KV heads [rank * H, (rank + 1) * H) of the model.
         self.tp_rank, self.tp_size = compat.tensor_parallel(runner)
-        self.global_heads = torch.arange(self.num_kv_heads, device=self.device) + self.tp_rank * self.num_kv_heads
+        # The device tables below are rebuilt from host copies on every wake-up (`on_wake`): vLLM's sleep
+        # mode discards its "kv_cache" memory pool, and nothing kvtier needs may depend on which pool a
+        # tensor happened to be allocated in.
+        self._host_tables: dict[str, Tensor] = {}
+        self._cache_geometry = None
+        self._build_tables(caches, probe=True)
         self.capture = QueryCapture(self.rows, self.row_views, scales, self.device)
         self.requests: dict[str, WorkerRequest] = {}
         self.failures: dict[str, str] = {}
@@ -93,6 +93,55 @@ class WorkerEviction:
             path = f"{path}.rank{self.tp_rank}"
         self.audit = AuditLog(path) if path else None
         self._install_capture()
+
+    # -- device tables (layout, rows, heads) and sleep/wake ------------------------------------
+    @staticmethod
+    def _geometry(cache: Tensor) -> tuple:
+        return tuple(cache.shape), tuple(cache.stride()), cache.dtype, cache.device
+
+    def _build_tables(self, caches: list[Tensor], probe: bool) -> None:
+        """Set the device tables compaction reads: the probed paged layout (K/V element offsets), its row
+        layout, the global KV-head index of each local head, and one row view per layer cache. `probe`:
+        probe the backend's layout (start-up, or a cache whose geometry changed); otherwise the tables are
+        copied from the host copies made at the first probe."""
+        geometry = self._geometry(caches[0])
+        if probe or geometry != self._cache_geometry:
+            layout = probe_layout(
+                caches[0], self.runner.kv_cache_config.num_blocks, self.num_kv_heads, self.block_size,
+                self.head_dim, lambda k, v, cache, slots: compat.write_kv(self.layers[0], k, v, cache, slots))
+            rows = RowLayout.from_layout(layout, self.device)
+            heads = torch.arange(self.num_kv_heads) + self.tp_rank * self.num_kv_heads
+            # host copies (clone: on a CPU engine .to("cpu") would alias the device tensors)
+            self._host_tables = {"k_offsets": layout.k_offsets.to("cpu").clone(),
+                                 "v_offsets": layout.v_offsets.to("cpu").clone(),
+                                 "rows": rows.rows.to("cpu").clone(), "global_heads": heads.clone()}
+            self._cache_geometry = geometry
+            self._layout_meta = (layout.block_dim, layout.block_stride, rows.chunk, rows.block_rows)
+        host = self._host_tables
+        block_dim, block_stride, chunk, block_rows = self._layout_meta
+        self.layout = PagedLayout(self.block_size, self.num_kv_heads, self.head_dim, block_dim, block_stride,
+                                  host["k_offsets"].to(self.device, copy=True),
+                                  host["v_offsets"].to(self.device, copy=True))
+        self.rows = RowLayout(self.block_size, self.num_kv_heads, self.head_dim, chunk, block_rows,
+                              host["rows"].to(self.device, copy=True))
+        self.global_heads = host["global_heads"].to(self.device, copy=True)
+        self.row_views = [self.rows.view(self.layout.flat(c)) for c in caches]
+
+    def on_wake(self, tags: list[str] | None) -> None:
+        """After vLLM's `Worker.wake_up(tags)` (the wake_up patches in patches.py): the KV cache pool was discarded
+        and re-mapped, its contents are gone. Rebuild every device table from the host copies and the row
+        views from the caches as bound now, and forget per-request device state: vLLM preempted (sleep
+        mode "keep") or aborted (mode "abort") every request before sleeping, so each one is recomputed
+        from scratch (the scheduler's reset) or finished."""
+        if tags is not None and "kv_cache" not in tags:
+            return
+        caches = [compat.layer_cache(layer) for layer in self.layers]
+        self._build_tables(caches, probe=False)
+        self.capture.layout, self.capture.row_views, self.capture.rows = self.rows, self.row_views, []
+        for st in self.requests.values():
+            st.reset()
+        self.stats.engine.wakeups += 1
+        logger.info("kvtier: device tables rebuilt after wake-up (tags=%s)", tags)
 
     # -- request state ------------------------------------------------------------------------
     def _state(self, req_id: str, seed: int | None) -> WorkerRequest:
@@ -107,8 +156,11 @@ class WorkerEviction:
         return st
 
     def forget(self, req_ids) -> None:
+        """Finished (or aborted) requests: drop their worker state; their counters stay readable for a
+        while (EvictionStats keeps finished requests, bounded)."""
         for rid in req_ids:
             self.requests.pop(rid, None)
+        self.stats.finish(req_ids)
 
     def take_failures(self) -> dict[str, str] | None:
         """Requests whose policy failed since the last call (req_id -> error), for the step's output."""
@@ -194,7 +246,7 @@ class WorkerEviction:
     def _select_keyed(self, items) -> list[Tensor]:
         """`random` for many rounds at once: one counter-based draw over every (round, layer, head) row.
         Rows are grouped by (candidates, victims); keys make each row's draw independent of the batch."""
-        L, H = len(self.layers), self.num_kv_heads
+        L = len(self.layers)
         out: dict[int, Tensor] = {}
         groups: dict[tuple[int, int], list[int]] = {}
         for i, (op, st, _pos, _blocks) in enumerate(items):
@@ -202,13 +254,11 @@ class WorkerEviction:
             groups.setdefault((sched.num_candidates(op.old_len), op.old_len - op.new_len), []).append(i)
         for (n_cand, e), idx in groups.items():
             ops = [items[i] for i in idx]
-            keys = row_keys(torch.tensor([st.key for _, st, _, _ in ops], device=self.device),
-                            torch.tensor([op.round for op, _, _, _ in ops], device=self.device),
-                            L, self.global_heads).reshape(-1)
-            low = torch.tensor([op.spec.make_policy().protected_len(op.prompt_len) for op, _, _, _ in ops],
-                               device=self.device).repeat_interleave(L * H)
-            high = torch.full_like(low, n_cand)
-            victims = keyed_subsets(keys, low, high, e, n_cand).view(len(ops), L, H, e)
+            victims = keyed_victims(
+                torch.tensor([st.key for _, st, _, _ in ops], device=self.device),
+                torch.tensor([op.round for op, _, _, _ in ops], device=self.device), L, self.global_heads,
+                torch.tensor([op.spec.make_policy().protected_len(op.prompt_len) for op, _, _, _ in ops],
+                             device=self.device), n_cand, e)
             for j, i in enumerate(idx):
                 out[i] = victims[j]
         return [out[i] for i in range(len(items))]
@@ -308,6 +358,8 @@ class WorkerEviction:
             if self.audit is not None:
                 kept = st.positions.sort(dim=2).values[:, :, : op.new_len - op.spec.buffer]
                 self.audit.write(req_id=op.req_id, round=op.round, query_position=op.query_position,
-                                 prompt_len=op.prompt_len, budget=op.spec.budget, buffer=op.spec.buffer,
+                                 prompt_len=op.prompt_len,
+                                 protected=op.spec.make_policy().protected_len(op.prompt_len),
+                                 budget=op.spec.budget, buffer=op.spec.buffer,
                                  policy=op.spec.policy, kept=kept.tolist(),
                                  **({"heads": self.global_heads.tolist()} if self.tp_size > 1 else {}))

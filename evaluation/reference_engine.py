@@ -7,13 +7,13 @@ post-RoPE, per-KV-head physical eviction) and the oracle the vLLM engine is test
   function registered through transformers' ``AttentionInterface``; the model runs with
   ``use_cache=False`` and the function appends each step's post-RoPE key/value to the cache and attends
   over it. RoPE positions are logical (``position_ids``), slots are physical, exactly as in the engine;
-* the schedule is the engine's (kvtier.engine.scheduler_side): before a decode step whose new token
-  would be appended, a sequence with ``physical > K + r`` compacts when ``decoded % r == 0`` (or when it
-  already holds ``K + 2r``); every KV head of every layer keeps K candidates (everything outside the r
-  newest), so a head never holds more than K + 2r;
-* compaction is kvtier.policies' hole filling; order-free read-nothing policies (``random``) draw once
-  per sequence for all layers and heads from a per-sequence generator seeded like the engine's, so with
-  the same eviction seed both engines produce the same keep-sets;
+* the schedule is the engine's (``EvictionSchedule.due``, as kvtier.engine.scheduler_side calls it);
+  every KV head of every layer keeps K candidates (everything outside the r newest), so a head never
+  holds more than K + 2r;
+* compaction is kvtier.policies' hole filling; ``random`` draws its victims with the engine's
+  counter-based keys (``keyed_random.keyed_victims``: seed, round, layer, KV head), so with the same
+  eviction seed both engines produce the same keep-sets; other order-free read-nothing policies draw once
+  per sequence for all layers and heads from a per-sequence generator;
 * every round can be logged in the engine's audit format ({req_id, round, query_position, prompt_len,
   budget, buffer, policy, kept: [layers][kv_heads][K]}) and replayed by kvtier.models.reference.
 
@@ -24,6 +24,7 @@ policy, protection rule and round cadence. Identical prompts are prefilled once 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,6 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvtier.policies import EvictionContext, EvictionPolicy, EvictionSchedule, PolicyError, hole_fill_plan, make_policy
+from kvtier.policies.keyed_random import keyed_victims, seed_key
+from kvtier.policies.random import RandomPolicy
 
 ATTN_NAME = "kvtier_evict"
 _ACTIVE: list["DecodeBatch"] = []        # the batch whose forward is in progress (attention reads it)
@@ -101,11 +104,12 @@ class EvictSpec:
         return out
 
 
-def round_due(spec: EvictSpec, physical: int, decoded: int) -> bool:
-    """The compressed engine's trigger (scheduler_side.plan), checked before a decode step appends."""
+def round_due(spec: EvictSpec, physical: int, decoded: int, after_round: bool = False) -> bool:
+    """The compressed engine's trigger (`EvictionSchedule.due`, as scheduler_side.plan calls it), checked
+    before a decode step appends."""
     if not spec.compressed:
         return False
-    return spec.schedule().due(physical, decoded)
+    return spec.schedule().due(physical, decoded, after_round)
 
 
 def round_schedule(prompt_len: int, total_len: int, spec: EvictSpec) -> list[int]:
@@ -113,7 +117,7 @@ def round_schedule(prompt_len: int, total_len: int, spec: EvictSpec) -> list[int
     out, physical = [], prompt_len
     for pos in range(prompt_len, total_len):
         decoded = pos - prompt_len
-        if round_due(spec, physical, decoded):
+        if round_due(spec, physical, decoded, bool(out)):
             out.append(pos - 1)
             physical = spec.schedule().settled_len
         physical += 1
@@ -222,6 +226,7 @@ class _Seq:
     prompt_len: int
     evict_gen: torch.Generator
     sample_gen: torch.Generator | None
+    evict_key: int = 0                     # the engine's counter-based key for `random` (keyed_random.seed_key)
     pending: int = -1                      # next token to feed (sampled or forced, not yet cached)
     decoded: int = 0                       # tokens fed through the decode path (cached)
     rounds: int = 0
@@ -404,7 +409,8 @@ class DecodeBatch:
     # -- rounds ----------------------------------------------------------------------------------
     def due_rows(self) -> list[int]:
         return [b for b, s in enumerate(self.seqs)
-                if s is not None and s.finished is None and round_due(s.spec, self.cache.lengths[b], s.decoded)]
+                if s is not None and s.finished is None
+                and round_due(s.spec, self.cache.lengths[b], s.decoded, s.rounds > 0)]
 
     @torch.no_grad()
     def run_rounds(self, rows: list[int]) -> None:
@@ -431,7 +437,15 @@ class DecodeBatch:
         base = dict(budget=sched.budget, prompt_len=s0.prompt_len, query_position=qp)
         L, H = c.L, c.H
         rows_t = torch.tensor(rows, device=c.device)
-        if policy.order_free and not policy.needs and self.batched_draws:
+        if type(policy) is RandomPolicy:
+            # the vLLM engine's draw (worker_side._select_keyed): keyed by (seed, round, layer, KV head)
+            evicted = keyed_victims(
+                torch.tensor([self.seqs[b].evict_key for b in rows], device=c.device),
+                torch.tensor([self.seqs[b].rounds + 1 for b in rows], device=c.device), L,
+                torch.arange(H, device=c.device), torch.full((len(rows),), policy.protected_len(s0.prompt_len),
+                                                             device=c.device),
+                n_cand, sched.num_evicted(n)).transpose(0, 1)                  # [L, nb, H, e]
+        elif policy.order_free and not policy.needs and self.batched_draws:
             cand = c.positions[:, rows_t, :, :n_cand].reshape(L * len(rows) * H, n_cand)
             ctx = EvictionContext(positions=cand, generator=self.seqs[rows[0]].evict_gen, **base)
             evicted = policy.evict(ctx).view(L, len(rows), H, -1)
@@ -596,12 +610,13 @@ class ReferenceEngine:
                                audit=audit, keep_records=keep_records)
         for b, (r, pol) in enumerate(zip(reqs, policies)):
             eg = torch.Generator(device=self.device)
-            eg.manual_seed(r.spec.seed if r.spec.seed is not None else torch.seed())
+            seed = r.spec.seed if r.spec.seed is not None else int.from_bytes(os.urandom(8), "little")
+            eg.manual_seed(seed)
             sg = None
             if r.temperature > 0:
                 sg = torch.Generator()
                 sg.manual_seed(r.seed if r.seed is not None else torch.seed())
-            batch.seqs[b] = _Seq(r, r.spec, pol, len(r.prompt_ids), eg, sg)
+            batch.seqs[b] = _Seq(r, r.spec, pol, len(r.prompt_ids), eg, sg, evict_key=seed_key(seed))
         # prefill (identical prompts once)
         by_prompt: dict[tuple, list[int]] = {}
         for b, r in enumerate(reqs):

@@ -77,8 +77,20 @@ class EvictionPolicy:
     default_protect_prompt: ClassVar[bool] = True
     default_sinks: ClassVar[int] = 0
 
-    def __init__(self, *, protect_prompt: bool | None = None, sinks: int | None = None) -> None:
+    def __init__(self, *, protect_prompt: bool | None = None, sinks: int | None = None,
+                 protect_prefix: int | None = None) -> None:
+        if protect_prefix is not None:
+            if protect_prompt is False:
+                raise PolicyError("protect_prefix protects the first N prompt positions; it cannot be combined "
+                                  "with protect_prompt=False")
+            if int(protect_prefix) < 0:
+                raise PolicyError(f"protect_prefix must be >= 0, got {protect_prefix}")
+            protect_prompt = True
         self.protect_prompt = self.default_protect_prompt if protect_prompt is None else bool(protect_prompt)
+        # None: the whole prompt is protected when protect_prompt is on (the paper's rule); N: only the
+        # first min(N, prompt_len) prompt positions are (multi-turn: the first turn; resumed partial
+        # rollouts: the original prompt), the rest of the prompt are ordinary candidates.
+        self.protect_prefix = None if protect_prefix is None else int(protect_prefix)
         self.sinks = self.default_sinks if sinks is None else int(sinks)
         if self.sinks < 0:
             raise PolicyError(f"sinks must be >= 0, got {self.sinks}")
@@ -86,11 +98,19 @@ class EvictionPolicy:
     # -- configuration -------------------------------------------------------------------------
     def params(self) -> dict[str, Any]:
         """The policy's parameters (for logs and configs)."""
-        return {"protect_prompt": self.protect_prompt, "sinks": self.sinks}
+        out: dict[str, Any] = {"protect_prompt": self.protect_prompt, "sinks": self.sinks}
+        if self.protect_prefix is not None:
+            out["protect_prefix"] = self.protect_prefix
+        return out
 
     def protected_len(self, prompt_len: int) -> int:
-        """Positions < this are never evicted."""
-        return max(self.sinks, prompt_len if self.protect_prompt else 0)
+        """Positions < this are never evicted: the sinks, and the prompt (all of it, or its first
+        `protect_prefix` positions) when protect_prompt is on."""
+        if not self.protect_prompt:
+            return self.sinks
+        if self.protect_prefix is not None:
+            return max(self.sinks, min(prompt_len, self.protect_prefix))
+        return max(self.sinks, prompt_len)
 
     def check_budget(self, budget: int, prompt_len: int) -> None:
         """Raise if the budget cannot hold what this policy must protect."""
@@ -100,10 +120,16 @@ class EvictionPolicy:
             raise PolicyError(f"prompt_len must be >= 0, got {prompt_len}")
         protected = self.protected_len(prompt_len)
         if protected > budget:
-            what = "prompt_len" if self.protect_prompt and prompt_len >= self.sinks else "sinks"
+            if protected == self.sinks:
+                what = "sinks"
+            elif self.protect_prefix is not None:
+                what = "protect_prefix"
+            else:
+                what = "prompt_len"
             raise PolicyError(
                 f"budget={budget} cannot hold the {protected} protected positions ({what}={protected}) of "
-                f"policy {self.name!r}; raise the budget or turn protect_prompt off"
+                f"policy {self.name!r}; raise the budget, protect only the first N prompt tokens "
+                f"(protect_prefix=N, N <= budget) or turn protect_prompt off"
             )
 
     # -- selection -----------------------------------------------------------------------------

@@ -92,3 +92,16 @@ def keyed_subsets(keys: Tensor, low: Tensor, high: Tensor, k: int, n: int) -> Te
     out = torch.empty(R, k + 1, dtype=torch.long, device=dev)
     out.scatter_(1, slot, torch.arange(n, device=dev).expand(R, n))
     return out[:, :k] + low.view(R, 1)
+
+
+def keyed_victims(request_keys: Tensor, rounds: Tensor, layers: int, heads: Tensor, low: Tensor,
+                  num_candidates: int, num_evicted: int) -> Tensor:
+    """`random`'s victims for n rounds of requests at once: [n, layers, len(heads), e] candidate slots,
+    ascending, drawn uniformly from [low[i], num_candidates) per (layer, head) row. Slots below low (the
+    protected prefix) come first in a hole-filling cache, so slot ranges are what random draws from. The
+    vLLM engine's worker and the reference engine both call this: same seed, same keep-sets."""
+    n, H = request_keys.shape[0], heads.shape[0]
+    keys = row_keys(request_keys, rounds, layers, heads).reshape(-1)
+    lows = low.repeat_interleave(layers * H)
+    out = keyed_subsets(keys, lows, torch.full_like(lows, num_candidates), num_evicted, num_candidates)
+    return out.view(n, layers, H, num_evicted)

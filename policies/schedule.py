@@ -35,10 +35,19 @@ class EvictionSchedule:
         """Entries per head right after a round."""
         return self.budget + self.buffer
 
-    def due(self, cached_len: int, decode_steps: int) -> bool:
+    def due(self, cached_len: int, decode_steps: int, after_round: bool = False) -> bool:
         """True when a round runs now: `decode_steps` tokens generated (their KV cached) and
         `cached_len` entries per head; on the cadence (every r decode steps) or, off it, once the cache
-        holds K + 2r entries (catch-up)."""
+        holds K + 2r entries (catch-up).
+
+        `after_round`: a round already ran on this cache (since it was last built chronologically). Then
+        the next one waits until the cache holds K + 2r again: hole filling moves a round's tail, buffer
+        included, into evicted slots anywhere below K + r, so the never-evicted r buffer entries are the
+        cache's last r slots only once r entries were appended since. On the steady cadence this is the
+        same step; it differs after a catch-up round off the cadence (a recompute after preemption or
+        sleep, a prompt longer than K + r), where the next multiple of r would come too soon."""
+        if after_round:
+            return cached_len >= self.max_cached
         if cached_len <= self.settled_len:
             return False
         on_cadence = decode_steps > 0 and decode_steps % self.buffer == 0

@@ -31,3 +31,5 @@ def demo(
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     """Add this module's commands to the `kvtier` CLI."""
     app.add_typer(rollout_app, name="rollout")
+    from .rl_smoke import register as register_rl   # `kvtier rl smoke` (verl's trainer on kvtier rollouts)
+    register_rl(app)

@@ -59,11 +59,17 @@ class LocalRollout:
     def __init__(self, config) -> None:
         import kvtier.rollout.verl_plugin  # noqa: F401
         from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+        from verl.utils.import_utils import load_class_from_fqn
         from verl.workers.rollout.llm_server import LLMServerManager
 
         self.config = config
         self.servers = LLMServerManager.create(config)            # -> KVTierReplica.init_standalone()
-        self.agent = AgentLoopManager.create(config, llm_client=self.servers.get_client())
+        # the manager class as verl's trainers pick it (rollout.agent.agent_loop_manager_class)
+        fqn = config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
+        manager = load_class_from_fqn(fqn, "AgentLoopManager") if fqn else AgentLoopManager
+        # DataProto in, DataProto out: the v0 manager whatever trainer.use_v1 says (kvtier's dispatches on it)
+        create = getattr(manager, "create_dataproto", manager.create)
+        self.agent = create(config, llm_client=self.servers.get_client())
 
     @property
     def replicas(self):

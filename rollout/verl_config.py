@@ -9,6 +9,7 @@ import kvtier
 
 CONFIG_DIR = Path(kvtier.__file__).resolve().parent / "configs" / "rollout"
 GRPO_CONFIG = "kvtier_grpo"
+AGENT_LOOP_MANAGER = "kvtier.rollout.trainer_hooks.KVTierAgentLoopManager"
 
 
 def compose_config(overrides: Iterable[str] = (), config_name: str = GRPO_CONFIG):
@@ -26,11 +27,19 @@ def cpu_rollout_overrides(model_path: str, *, budget: int | None, buffer: int = 
                           prompt_length: int = 256, response_length: int = 256, n: int = 1,
                           kv_cache_bytes: int = 64 << 20, max_num_seqs: int = 16, num_agent_workers: int = 1,
                           audit_log: str | None = None, temperature: float = 1.0, seed: int | None = None,
-                          max_model_len: int | None = None) -> list[str]:
-    """Overrides that make the config runnable on one CPU node with a small model (demo, tests)."""
+                          max_model_len: int | None = None, protect: str | int | None = None,
+                          val_budget: str | int | None = None) -> list[str]:
+    """Overrides that make the config runnable on one CPU node with a small model (demo, tests). The agent
+    loop manager is kvtier's (validation budget, eviction metrics in the trainer's timing)."""
     null = "null"
     r = "actor_rollout_ref.rollout"
-    return [
+    extra = []
+    if protect is not None:
+        extra.append(f"++{r}.custom.kvtier.protect={protect}")
+    if val_budget is not None:
+        extra.append(f"++{r}.custom.kvtier.val_budget={val_budget}")
+    return extra + [
+        f"++{r}.agent.agent_loop_manager_class={AGENT_LOOP_MANAGER}",
         f"actor_rollout_ref.model.path={model_path}",
         f"data.max_prompt_length={prompt_length}",
         f"data.max_response_length={response_length}",

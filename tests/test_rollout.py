@@ -32,6 +32,7 @@ pytestmark = pytest.mark.engine
 BUDGET, BUFFER = 64, 16
 PROMPT_LEN, RESPONSE_LEN = 64, 160
 GREEDY_TOKENS = 80
+TEST_TOOL_PARSER = "kvtier_test_always_call"
 _rng = random.Random(6)
 # token-id prompts (the tiny vocabulary's ordinary tokens start after the 3 specials)
 ID_PROMPTS = [[_rng.randrange(3, 3000) for _ in range(n)] for n in (24, 41, 57)]
@@ -125,10 +126,13 @@ def rollout(tiny_model_dir, tmp_path_factory):
     audit = str(tmp_path_factory.mktemp("rollout_audit") / "keep.jsonl")
     config = compose_config(cpu_rollout_overrides(
         tiny_model_dir, budget=BUDGET, buffer=BUFFER, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN,
-        kv_cache_bytes=32 << 20, audit_log=audit, seed=0, max_model_len=2048)
+        kv_cache_bytes=32 << 20, audit_log=audit, seed=0, max_model_len=2048, protect="first_turn")
         # seeded sampling (verl's full_determinism): the same batches every run, so the statistical
         # checks (tolerances, lengths with sampled EOS) cannot fail by chance on one run in many
-        + ["actor_rollout_ref.rollout.full_determinism=true"])
+        + ["actor_rollout_ref.rollout.full_determinism=true",
+           # verl's tool agent loop (test_tool_agent_loop_...): a test tool parser, a few turns
+           f"actor_rollout_ref.rollout.multi_turn.format={TEST_TOOL_PARSER}",
+           "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=6"])
     engine_kwargs, omp_threads = _server_engine(config)
     stock = _stock_vllm_process(engine_kwargs, omp_threads)
     try:
@@ -217,6 +221,16 @@ def test_rollout_config_to_engine_arguments_and_request_overrides(tiny_model_dir
         split_request_params({"kvtier_bugdet": 64})
     with pytest.raises(EvictionConfigError, match="unknown key"):
         KVTierRolloutSettings.from_custom({"kvtier": {"budegt": 64}})
+    # protect / val_budget: defaults are the paper's rule and full-attention validation
+    assert (settings.protect, settings.val_budget) == ("all", "full")
+    assert settings.validation_request_args() == {"kvtier_budget": "full"}
+    s2 = KVTierRolloutSettings.from_custom({"kvtier": {"budget": 64, "protect": "first_turn", "val_budget": 256}})
+    assert (s2.protect, s2.validation_request_args()) == ("first_turn", {"kvtier_budget": 256})
+    s3 = KVTierRolloutSettings.from_custom({"kvtier": {"budget": 64, "protect": 32, "val_budget": "train"}})
+    assert (s3.protect, s3.validation_request_args()) == (32, {})
+    for bad in ({"protect": "last_turn"}, {"val_budget": 0}, {"val_budget": "half"}):
+        with pytest.raises(EvictionConfigError, match="protect|val_budget"):
+            KVTierRolloutSettings.from_custom({"kvtier": bad})
 
 
 def test_backend_selected_by_rollout_name_and_registered_in_ray_workers(rollout):
@@ -452,3 +466,249 @@ def test_rollout_dashboard_reads_the_samples_from_a_live_prometheus(rollout):
     queries = dashboards.panel_queries(dashboards.to_dict(dashboards.rollout()))
     assert len(queries) >= 10
     assert not (empty := empty_panel_queries(prom, queries)), empty
+
+
+# -- multi-turn beyond K, validation budget, metrics, sleep drain, counters, /dev/shm -------------------
+def _turns(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s (an assistant turn) in a response mask."""
+    out, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_tool_agent_loop_multi_turn_beyond_budget_runs_compressed(rollout, replay):
+    """verl's ToolAgentLoop resends the whole history each turn; with `protect: first_turn` the server
+    protects only the first prompt, so turns whose context exceeds K run compressed (with the paper's rule
+    they would be rejected: the budget cannot hold the protected prompt). Every round of a later turn keeps
+    the first prompt in every head, and the log-probs of a long later turn match the masked reference."""
+    import numpy as np
+
+    from kvtier.rollout.local import chat_batch
+
+    def register_parser(_worker, name=TEST_TOOL_PARSER):
+        """In an agent-loop worker (a nested function: cloudpickle ships it by value): a tool parser that
+        calls a tool after every assistant turn and ends a turn at one of ~1 in 60 token ids (the tiny
+        model samples almost uniformly), so verl's ToolAgentLoop runs several short turns, resending the
+        growing history each time. The tool is not registered: verl answers with a tool message
+        ("Unknown function ...") and the conversation goes on."""
+        from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser
+
+        class AlwaysCall(ToolParser):
+            @property
+            def stop_token_ids(self):
+                return list(range(3, 4096, 60))
+
+            async def extract_tool_calls(self, responses_ids, tools=None):
+                return self.tokenizer.decode(responses_ids), [FunctionCall(name="lookup", arguments="{}")]
+
+        ToolParser._registry[name] = AlwaysCall
+        return True
+
+    for w in rollout.agent.agent_loop_workers:
+        assert ray.get(w.__ray_call__.remote(register_parser))
+    n = 4
+    batch = chat_batch([f"Look up the population of city number {i} and report it." for i in range(n)])
+    batch.non_tensor_batch["agent_name"] = np.array(["tool_agent"] * n, dtype=object)
+    batch.non_tensor_batch["priority"] = np.arange(91000, 91000 + n)        # request ids det-91000...: unique here
+    out = rollout.generate_sequences(batch)
+    b, nt = out.batch, out.non_tensor_batch
+    assert max(nt["__num_turns__"]) >= 4, nt["__num_turns__"]
+    checked_rounds, long_turns = 0, []
+    for i in range(n):
+        prompt, _ = unpadded(out, i)
+        plen = len(prompt)
+        mask = b["response_mask"][i].tolist()
+        turns = _turns(mask)
+        recs = [r for r in records_for(rollout.audit_log, f"det-{91000 + i}") if "kept" in r]
+        by_turn = {}
+        for r in recs:
+            by_turn.setdefault(r["req_id"], []).append(r)
+        for start, end in turns[1:]:
+            ctx = plen + start                                 # the turn's prompt: first prompt + history
+            if ctx <= BUDGET:
+                continue
+            turn_recs = [rs for rs in by_turn.values() if rs[0]["prompt_len"] == ctx]
+            assert len(turn_recs) == 1, f"sample {i}: no rounds for the turn with a {ctx}-token context"
+            rounds = turn_recs[0]
+            for r in rounds:
+                assert r["protected"] == plen, (r["protected"], plen)
+                kept = torch.tensor(r["kept"])
+                assert (kept[..., :plen] == torch.arange(plen)).all(), "the first turn was evicted"
+            checked_rounds += len(rounds)
+            long_turns.append((end - start, i, start, end, rounds))
+    assert checked_rounds > 0, "no turn beyond K ran an eviction round"
+    # the later turn with the most rounds: the engine's log-probs equal the masked replay of its own rounds
+    _, i, start, end, rounds = max(long_turns, key=lambda t: (len(t[4]), t[0]))
+    prompt, _ = unpadded(out, i)
+    ids = prompt + b["responses"][i, :end].tolist()
+    ref = replay.logprobs(ids, len(prompt) + start, rounds, BUFFER)
+    eng = b["rollout_log_probs"][i, start:end]
+    err = (eng - ref).abs().max()
+    assert err < 0.06, f"sample {i} turn [{start}, {end}): max |engine - masked reference| = {err:.4f}"
+    control = (eng - replay.logprobs(ids, len(prompt) + start, [], BUFFER)).abs().max()
+    assert control > 0.3, "eviction did not change attention; the comparison proves nothing"
+    print(f"\n[tool agent] turns per sample {list(nt['__num_turns__'])}, {len(long_turns)} later turns beyond K, "
+          f"{checked_rounds} rounds checked; replayed sample {i} turn [{start}, {end}) after a "
+          f"{len(prompt) + start}-token context: max err {err:.4f}, unmasked {control:.4f}", file=sys.stderr)
+
+
+def test_validation_runs_at_val_budget_and_metrics_reach_the_trainer(rollout):
+    """Validation batches (meta_info validate=True, as verl's trainers send them) run at
+    `val_budget` (default: full attention) through kvtier's agent-loop manager; training batches carry
+    their eviction metrics into meta_info["timing"], which verl's RayPPOTrainer turns into logged
+    `timing_s/...` metrics (verl's own compute_timing_metrics); the v1 reduction over the samples'
+    extra_fields gives the same numbers."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.metric_utils import compute_timing_metrics
+
+    from kvtier.rollout.local import chat_batch
+    from kvtier.rollout.metrics import eviction_metrics
+    from kvtier.rollout.trainer_hooks import KVTierAgentLoopManager, KVTierMetricsMixin, v1_eviction_metrics
+
+    assert isinstance(rollout.agent, KVTierAgentLoopManager)
+    val = rollout.generate_sequences(chat_batch(CHAT_PROMPTS[:2], validate=True))
+    assert list(val.non_tensor_batch["kvtier_budget"]) == [None, None]
+    assert list(val.non_tensor_batch["kvtier_eviction_events"]) == [None, None]
+
+    out = rollout.generate_sequences(chat_batch(CHAT_PROMPTS))
+    assert all(b == BUDGET for b in out.non_tensor_batch["kvtier_budget"])
+    expected = eviction_metrics(out)
+    assert expected["rollout/kvtier/eviction_events/mean"] > 0
+    timing = out.meta_info["timing"]
+    assert {k: timing[k] for k in expected} == expected
+    # RayPPOTrainer.fit: timing_raw.update(gen_output.meta_info["timing"]), then
+    # metrics.update(compute_timing_metrics(batch, timing_raw))
+    timing_raw = {"gen": 1.0, **timing}
+    logged = compute_timing_metrics(batch=out, timing_raw=timing_raw)
+    assert logged["timing_s/rollout/kvtier/eviction_events/mean"] == expected["rollout/kvtier/eviction_events/mean"]
+    assert logged["timing_s/rollout/kvtier/tokens_evicted/max"] == expected["rollout/kvtier/tokens_evicted/max"]
+
+    # v1: the samples' extra_fields as the TransferQueue returns them (one padding sample is left out)
+    cols = [c for c in out.non_tensor_batch if c.startswith("kvtier_")]
+    fields = [{c: out.non_tensor_batch[c][i] for c in cols} for i in range(len(out))] + [{"kvtier_budget": 1}]
+    meta = SimpleNamespace(keys=[f"k{i}" for i in range(len(fields))], partition_id="train",
+                           tags=[{}] * len(out) + [{"is_padding": True}])
+    got = v1_eviction_metrics(meta, kv_batch_get=lambda keys, partition_id, select_fields: {"extra_fields": fields})
+    assert got == expected
+
+    class FakeTrainer:                                    # verl's PPOTrainer._compute_metrics signature
+        def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+            metrics["training/global_step"] = global_steps
+
+    class Trainer(KVTierMetricsMixin, FakeTrainer):
+        pass
+
+    import kvtier.rollout.trainer_hooks as hooks
+
+    saved = hooks.v1_eviction_metrics
+    hooks.v1_eviction_metrics = lambda batch: got
+    try:
+        metrics = {}
+        Trainer()._compute_metrics(meta, metrics, {}, global_steps=3, epoch=0)
+    finally:
+        hooks.v1_eviction_metrics = saved
+    assert metrics == {"training/global_step": 3, **expected}
+
+
+def test_replica_sleep_drains_then_wake_resumes(rollout):
+    """In hybrid/colocated mode, sleep first drains: running requests are aborted (stop_reason
+    "aborted"), new ones park until wake_up and then run."""
+    replica, server = rollout.replicas[0], rollout.server
+
+    def set_mode(mode, free):
+        def f(s, mode=mode, free=free):
+            old = (s.rollout_mode, s.free_cache_engine)
+            s.rollout_mode, s.free_cache_engine = mode, free
+            return old
+        return ray.get(server.__ray_call__.remote(f))
+
+    old = set_mode("hybrid", True)
+    try:
+        long_req = server.generate.remote(prompt_ids=ID_PROMPTS[1], sampling_params={"max_tokens": 1800,
+                                          "ignore_eos": True}, request_id="sleep-drain-long")
+        deadline = time.monotonic() + 120
+        while ray.get(server.num_unfinished_requests.remote()) == 0:
+            assert time.monotonic() < deadline, "the long request never reached the engine"
+            time.sleep(0.05)
+        asyncio.run(replica.sleep())
+        first = ray.get(long_req, timeout=120)
+        assert first.stop_reason == "aborted" and len(first.token_ids) < 1800
+        parked = server.generate.remote(prompt_ids=ID_PROMPTS[0], sampling_params={"max_tokens": 8},
+                                        request_id="sleep-drain-parked")
+        ready, _ = ray.wait([parked], timeout=2.0)
+        assert not ready, "a request ran while the replica slept"
+        asyncio.run(replica.wake_up())
+        after = ray.get(parked, timeout=120)
+        assert after.stop_reason == "completed" and len(after.token_ids) == 8
+    finally:
+        asyncio.run(replica.wake_up())
+        set_mode(*old)
+
+
+def test_weight_bucket_checks_shared_memory_first(monkeypatch, tmp_path):
+    """/dev/shm (Docker's default is 64 MiB) is checked before a bucket is written: a clear error naming
+    the bytes needed and available, and nothing reaches the engine."""
+    from collections import namedtuple
+
+    import kvtier.rollout.server as srv
+
+    calls = []
+
+    class Engine:
+        async def collective_rpc(self, *args, **kwargs):
+            calls.append(args)
+            return [1]
+
+    server = srv.KVTierServer.__new__(srv.KVTierServer)
+    server.engine = Engine()
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(srv.shutil, "disk_usage", lambda d: Usage(64 << 20, 64 << 20, 1 << 20))
+    bucket = [("model.embed_tokens.weight", torch.zeros(1024, 1024))]          # 4 MiB
+    with pytest.raises(srv.WeightSyncSpaceError, match=r"has 1048576 bytes \(1.0 MiB\) free, a weight bucket "
+                                                      r"needs 4\d{6} bytes \(4.0 MiB\).*shm-size"):
+        asyncio.run(server.load_weights_bucket(bucket))
+    assert calls == []
+    monkeypatch.setattr(srv.shutil, "disk_usage", lambda d: Usage(1 << 30, 0, 1 << 30))
+    monkeypatch.setattr(srv, "_shm_dir", lambda: str(tmp_path))
+    assert asyncio.run(server.load_weights_bucket(bucket)) == 1 and len(calls) == 1
+    assert list(tmp_path.iterdir()) == []                  # the bucket file is removed after loading
+
+
+def test_request_counters_never_dropped_while_running():
+    """EvictionStats keeps every running request's counters (the old LRU dropped the oldest after 4,096
+    requests, so long samples in big batches reported zero) and bounds finished ones by count and age."""
+    from kvtier.engine.stats import EvictionStats
+
+    now = [0.0]
+    st = EvictionStats(keep_finished=4, keep_finished_s=10.0, max_finished=8, clock=lambda: now[0])
+    st.record_round("long", "random", 5)                 # a long sample, started first
+    for i in range(10_000):
+        st.request(f"r{i}").events += 1
+    assert st.requests["long"].events == 1 and st.running == 10_001
+    st.finish([f"r{i}" for i in range(6)])               # 6 finished, just now: all kept (too young to drop)
+    assert all(f"r{i}" in st.requests for i in range(6))
+    now[0] = 11.0
+    st.finish(["r6"])                                    # 7 finished; > 4 and the old ones aged out
+    assert [f"r{i}" in st.requests for i in range(7)] == [False, False, False, True, True, True, True]
+    st.finish([f"r{i}" for i in range(7, 20)])           # a burst: max_finished caps memory whatever the age
+    assert sum(f"r{i}" in st.requests for i in range(20)) == 8
+    assert "long" in st.requests and st.requests["long"].tokens_evicted == 5
+
+
+def test_first_turn_prefixes_follow_request_ids():
+    from kvtier.rollout.server import _FirstPrompts
+
+    fp = _FirstPrompts(capacity=2, per_id=2)
+    assert fp.prefix_len("a", [1, 2, 3]) == 3                  # a first prompt: all of it
+    assert fp.prefix_len("a", [1, 2, 3, 9, 9]) == 3            # the next turn / a resumed partial rollout
+    assert fp.prefix_len("a", [1, 2, 4, 9]) == 4               # same id, another conversation: new first prompt
+    assert fp.prefix_len("a", [1, 2, 4, 9, 5]) == 4
+    assert fp.prefix_len("a", [1, 2, 3, 9, 9, 7]) == 3         # both remembered (det-<n> ids repeat)
+    fp.prefix_len("b", [5]), fp.prefix_len("c", [6])           # capacity 2: "a" forgotten
+    assert fp.prefix_len("a", [1, 2, 3, 9]) == 4

@@ -1,0 +1,344 @@
+"""`kvtier rl smoke`: verl 0.9.1's own trainer, unmodified, running GRPO on kvtier rollouts on CPU.
+
+Runs `python -m verl.trainer.main_ppo --config-name kvtier_grpo` (configs/rollout/kvtier_grpo.yaml) in a
+subprocess, on the tiny model, in verl's default setup: the v1 trainer (`trainer.use_v1=true`, TransferQueue),
+sync mode, hybrid engine (actor + rollout in one worker group: `LLMServerManager` calls
+`KVTierReplica.init_hybrid`), naive weight sync from the FSDP actor to the kvtier vLLM engine every step,
+the rollout put to sleep and woken every step. What kvtier adds, all through verl's extension points:
+
+* `kvtier.rollout.cpu_platform` — verl's `cpu` platform (FSDP2 over gloo; see its doc for each patch);
+* `kvtier.rollout.verl_plugin` — `rollout.name=kvtier`;
+* `kvtier.rollout.rl_smoke_hooks` — records sleeps, wake-ups and weight syncs, checks the engine's log-probs
+  against transformers on the synced weights, registers the `kvtier_sync` trainer (eviction metrics);
+* `trainer.v1.trainer_mode=kvtier_sync` + `rollout.agent.agent_loop_manager_class=KVTierAgentLoopManager`
+  (`kvtier.rollout.trainer_hooks`): kvtier's eviction metrics in the trainer's logged metrics.
+
+Metrics come from verl's `file` logger backend (`VERL_FILE_LOGGER_PATH`, one JSON line per step); the command
+prints one JSON line per step and a final summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+EXTERNAL_MODULES = "kvtier.rollout.cpu_platform,kvtier.rollout.verl_plugin,kvtier.rollout.rl_smoke_hooks"
+TRAINER_MODE = "kvtier_sync"
+IS_MEAN = "rollout_corr/rollout_is_mean"
+EVICTION_MEAN = "rollout/kvtier/eviction_events/mean"
+COMPRESSED = "rollout/kvtier/compressed_fraction"
+
+PROMPTS = [
+    "Let x = 42. What is x times seven? Think step by step before answering.",
+    "A train leaves at noon at sixty miles per hour; another leaves an hour later at eighty. When does the "
+    "second catch up?",
+    "Prove that the sum of two even numbers is even.",
+    "Count from one to ten and explain each step.",
+    "What is the capital of France? Explain how you know.",
+    "Write a short story about a robot that learns to paint.",
+    "List three prime numbers greater than twenty and justify each.",
+    "Explain why the sky is blue in simple words.",
+]
+
+
+# -- the reward (verl loads this file by path: reward.custom_reward_function.path) ------------------------
+def compute_score(data_source=None, solution_str: str = "", ground_truth=None, extra_info=None, **kwargs) -> float:
+    """A dense toy reward for a random model: the share of the letter 'e' in the response (GRPO needs
+    different rewards within a group; the tiny model's text is gibberish)."""
+    text = solution_str or ""
+    return 10.0 * text.count("e") / max(1, len(text))
+
+
+# -- the run ----------------------------------------------------------------------------------------------
+def write_dataset(directory: Path, n: int) -> tuple[Path, Path]:
+    import pandas as pd
+
+    rows = []
+    for i in range(n):
+        prompt = PROMPTS[i % len(PROMPTS)] + (f" (variant {i // len(PROMPTS)})" if i >= len(PROMPTS) else "")
+        rows.append({"data_source": "kvtier_smoke", "prompt": [{"role": "user", "content": prompt}],
+                     "ability": "toy", "reward_model": {"style": "rule", "ground_truth": "e"},
+                     "extra_info": {"index": i}})
+    directory.mkdir(parents=True, exist_ok=True)
+    train, val = directory / "train.parquet", directory / "val.parquet"
+    pd.DataFrame(rows).to_parquet(train)
+    pd.DataFrame(rows[:2]).to_parquet(val)
+    return train, val
+
+
+def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, batch_size: int, n: int,
+              prompt_length: int, response_length: int, budget: int, buffer: int, kv_cache_mb: int, lr: float,
+              env_vars: dict[str, str]) -> list[str]:
+    a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    samples = batch_size * n
+    out = [
+        # data + reward
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        f"data.train_batch_size={batch_size}",
+        f"data.max_prompt_length={prompt_length}",
+        f"data.max_response_length={response_length}",
+        "data.dataloader_num_workers=0",
+        "data.filter_overlong_prompts=true",
+        f"reward.custom_reward_function.path={Path(__file__).resolve()}",
+        "reward.custom_reward_function.name=compute_score",
+        "reward.num_workers=1",
+        # model / actor / ref on CPU: FSDP2 (FSDP1 takes an int CUDA device id), no flash-attn, no compile
+        f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        f"{a}.strategy=fsdp2",
+        "actor_rollout_ref.ref.strategy=fsdp2",
+        f"{a}.use_torch_compile=false",
+        f"{a}.ppo_mini_batch_size={batch_size}",
+        f"{a}.ppo_micro_batch_size_per_gpu={samples}",
+        f"{a}.optim.lr={lr}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={samples}",
+        f"{r}.log_prob_micro_batch_size_per_gpu={samples}",
+        # rollout: kvtier (name, policy from the yaml), small K so eviction happens, hybrid sleep/wake
+        f"{r}.n={n}",
+        f"{r}.temperature=1.0",
+        f"{r}.tensor_model_parallel_size=1",
+        f"{r}.enforce_eager=true",
+        f"{r}.free_cache_engine=true",           # verl's default: sleep/wake every step
+        f"++{r}.enable_sleep_mode=false",          # vLLM has no sleep mode on CPU; kvtier still drains/parks
+        f"{r}.max_model_len={prompt_length + response_length}",
+        f"{r}.max_num_seqs={max(samples, 4)}",
+        f"{r}.max_num_batched_tokens={max(2048, prompt_length + response_length)}",
+        f"{r}.agent.num_workers=1",
+        f"{r}.checkpoint_engine.update_weights_bucket_megabytes=64",
+        f"{r}.custom.kvtier.budget={budget}",
+        f"{r}.custom.kvtier.buffer={buffer}",
+        f"{r}.custom.kvtier.kv_cache_bytes={kv_cache_mb << 20}",
+        f"++{r}.agent.agent_loop_manager_class=kvtier.rollout.trainer_hooks.KVTierAgentLoopManager",
+        # trainer: verl's default v1 trainer, sync mode with kvtier's eviction metrics; CPU "device"
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=1000",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=kvtier_rl_smoke",
+        "trainer.experiment_name=grpo_cpu",
+        f"trainer.default_local_dir={workdir / 'checkpoints'}",
+        f"trainer.v1.trainer_mode={TRAINER_MODE}",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        # Ray: logical CPUs for verl's placement groups, one logical GPU (verl's pools count only GPU/NPU)
+        "+ray_kwargs.ray_init.num_cpus=16",
+        "+ray_kwargs.ray_init.num_gpus=1",
+        "+ray_kwargs.ray_init.include_dashboard=false",
+        "+ray_kwargs.ray_init.address=local",     # a fresh local cluster, never one another process started
+        f"hydra.run.dir={workdir / 'hydra'}",
+    ]
+    for key, value in env_vars.items():
+        out.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}='{value}'")   # quoted: values have commas
+    return out
+
+
+def _float(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v
+
+
+def step_record(step: int, data: dict, events: list[dict], samples: int) -> dict:
+    """One JSON line for a trainer step from its logged metrics and the hooks' events so far."""
+    ev_mean = _float(data.get(EVICTION_MEAN))
+    compressed = _float(data.get(COMPRESSED))
+    total = None
+    if ev_mean is not None:
+        total = int(round(ev_mean * (compressed if compressed is not None else 1.0) * samples))
+    syncs = [e for e in events if e.get("event") == "update_weights"]
+    version = next((e.get("global_steps") for e in reversed(syncs) if e.get("global_steps") == step), None)
+    checks = [e for e in events if e.get("event") == "logprob_check" and e.get("global_steps") == step]
+    mismatch = {k.removeprefix("rollout_corr/"): v for k, v in data.items()
+                if k.startswith("rollout_corr/") and any(s in k for s in ("kl", "ppl", "chi2"))}
+    staleness = data.get("training/off_policy/trajectory_staleness/max")
+    return {
+        "step": step,
+        "eviction_events": total,
+        "eviction_events_mean": ev_mean,
+        "tokens_evicted_mean": _float(data.get("rollout/kvtier/tokens_evicted/mean")),
+        "rollout_is_mean": _float(data.get(IS_MEAN)),
+        "rollout_is_max": _float(data.get("rollout_corr/rollout_is_max")),
+        "mismatch": mismatch,
+        "weights_version": version,
+        "rollout_weights_staleness": staleness,
+        "sleeps": sum(e.get("event") == "sleep" for e in events),
+        "wakes": sum(e.get("event") == "wake" and "kv_cache" in (e.get("tags") or []) for e in events),
+        "logprob_check": ({k: checks[-1].get(k) for k in ("max_abs_diff", "control_max_abs_diff", "error")
+                           if checks[-1].get(k) is not None} if checks else None),
+        "actor_loss": _float(data.get("actor/pg_loss")),
+        "reward_mean": _float(data.get("critic/score/mean")),
+        "seconds": _float(data.get("timing_s/step")),
+    }
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None = None, batch_size: int = 4,
+              n: int = 2, prompt_length: int = 64, response_length: int = 200, budget: int = 64, buffer: int = 16,
+              kv_cache_mb: int = 64, lr: float = 1e-3, check_tokens: int = 16, timeout: float = 1800,
+              echo=print, extra_overrides: list[str] | None = None) -> dict:
+    import tempfile
+
+    from kvtier.models.tiny import ensure_tiny_model
+    from kvtier.rollout.rl_smoke_hooks import CHECK_ENV, EVENTS_ENV
+    from kvtier.rollout.verl_config import CONFIG_DIR, GRPO_CONFIG
+
+    model = model or str(ensure_tiny_model())
+    work = Path(workdir or tempfile.mkdtemp(prefix="kvtier-rl-smoke-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    metrics_path, events_path, log_path = work / "metrics.jsonl", work / "events.jsonl", work / "main_ppo.log"
+    for p in (metrics_path, events_path):
+        p.unlink(missing_ok=True)
+    train, val = write_dataset(work / "data", max(batch_size * (steps + 1), len(PROMPTS)))
+    env_vars = {
+        "VERL_PLATFORM": "cpu",
+        "VERL_USE_EXTERNAL_MODULES": EXTERNAL_MODULES,
+        EVENTS_ENV: str(events_path),
+        CHECK_ENV: str(check_tokens),
+        "VERL_FILE_LOGGER_PATH": str(metrics_path),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "RAY_AUTH_MODE": "disabled",
+    }
+    args = overrides(model=model, train=train, val=val, workdir=work, steps=steps, batch_size=batch_size, n=n,
+                     prompt_length=prompt_length, response_length=response_length, budget=budget, buffer=buffer,
+                     kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()})
+    args += list(extra_overrides or [])
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIG_DIR}",
+           f"--config-name={GRPO_CONFIG}", *args]
+    (work / "command.txt").write_text(" ".join(cmd) + "\n")
+    env = {**os.environ, **env_vars, "HYDRA_FULL_ERROR": "1", "RAY_DEDUP_LOGS": "0"}
+    samples = batch_size * n
+    printed: set[int] = set()
+    records: list[dict] = []
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(work),
+                                start_new_session=True)
+        try:
+            while True:
+                rc = proc.poll()
+                for line in _read_jsonl(metrics_path):
+                    step, data = line.get("step"), line.get("data") or {}
+                    if step in printed or "training/global_step" not in data:
+                        continue
+                    printed.add(step)
+                    rec = step_record(step, data, _read_events(events_path), samples)
+                    records.append(rec)
+                    echo(json.dumps(rec))
+                if rc is not None:
+                    break
+                if time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"verl's trainer did not finish within {timeout:.0f}s (log: {log_path})")
+                time.sleep(2)
+        finally:
+            if proc.poll() is None:
+                import signal
+
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    events = _read_events(events_path)
+    syncs = [e for e in events if e.get("event") == "update_weights"]
+    checks = [e for e in events if e.get("event") == "logprob_check"]
+    summary = {
+        "steps": len(records),
+        "eviction_events": sum(r["eviction_events"] or 0 for r in records),
+        "weights_versions": [e.get("global_steps") for e in syncs],
+        "sleeps": sum(e.get("event") == "sleep" for e in events),
+        "wakes": sum(e.get("event") == "wake" and "kv_cache" in (e.get("tags") or []) for e in events),
+        # the kvtier server's admission gate right after each sleep / kv_cache wake-up (True = closed)
+        "server_asleep_after_sleep": [st.get("asleep") for e in events if e.get("event") == "sleep"
+                                      for st in (e.get("servers") or [])],
+        "server_asleep_after_wake": [(e.get("server") or {}).get("asleep") for e in events
+                                     if e.get("event") == "wake" and "kv_cache" in (e.get("tags") or [])],
+        "rollout_is_mean": [r["rollout_is_mean"] for r in records],
+        # after each sync: max |engine log-prob - transformers on the synced weights| (and on the initial
+        # checkpoint, the control: it grows as training moves the weights away from it)
+        "logprob_checks": [{"weights_version": c.get("global_steps"), "max_abs_diff": c.get("max_abs_diff"),
+                            "control_max_abs_diff": c.get("control_max_abs_diff"),
+                            **({"error": c["error"]} if c.get("error") else {})} for c in checks],
+        "returncode": proc.returncode,
+        "seconds": round(time.monotonic() - t0, 1),
+        "workdir": str(work),
+    }
+    echo(json.dumps(summary))
+    if proc.returncode != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-40:]
+        print("\n".join([f"verl's trainer failed (exit {proc.returncode}); last lines of {log_path}:", *tail]),
+              file=sys.stderr)
+    return {"summary": summary, "steps": records, "events": events}
+
+
+def _read_events(path: Path) -> list[dict]:
+    from kvtier.rollout.rl_smoke_hooks import read_events
+
+    return read_events(str(path))
+
+
+def _finite(x) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+# -- CLI ----------------------------------------------------------------------------------------------------
+rl_app = typer.Typer(no_args_is_help=True, help="RL training with verl's trainer on kvtier rollouts.")
+
+
+@rl_app.command("smoke")
+def smoke(
+    steps: int = typer.Option(3, help="Trainer steps (GRPO updates)."),
+    model: Optional[str] = typer.Option(None, help="HF model directory (default: the tiny Qwen3, built if missing)."),
+    workdir: Optional[str] = typer.Option(None, help="Where data, logs, metrics and events go (default: a temp dir)."),
+    batch_size: int = typer.Option(4, help="Prompts per step (data.train_batch_size)."),
+    n: int = typer.Option(2, help="Samples per prompt (GRPO group size)."),
+    response_length: int = typer.Option(200, help="Response tokens (the tiny model rarely stops early)."),
+    budget: int = typer.Option(64, help="K per KV head (small, so eviction happens)."),
+    buffer: int = typer.Option(16, help="r: protected recent tokens and round cadence."),
+    lr: float = typer.Option(1e-3, help="Actor learning rate (large enough that each sync changes the weights)."),
+    check_tokens: int = typer.Option(16, help="Tokens of the post-sync log-prob check (0: skip it)."),
+    timeout: float = typer.Option(1800, help="Seconds before the trainer is stopped."),
+) -> None:
+    """Run verl's `main_ppo` (GRPO, hybrid engine, v1 trainer) on kvtier rollouts on CPU; one JSON line per
+    step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
+    result = run_smoke(steps=steps, model=model, workdir=workdir, batch_size=batch_size, n=n,
+                       response_length=response_length, budget=budget, buffer=buffer, lr=lr,
+                       check_tokens=check_tokens, timeout=timeout, echo=typer.echo)
+    s = result["summary"]
+    versions = s["weights_versions"]
+    ok = (s["returncode"] == 0 and s["steps"] == steps
+          and all((r["eviction_events"] or 0) > 0 and _finite(r["rollout_is_mean"]) for r in result["steps"])
+          and len(versions) >= steps and all(a < b for a, b in zip(versions, versions[1:]))
+          and s["sleeps"] >= steps and s["wakes"] >= steps)
+    raise typer.Exit(0 if ok else 1)
+
+
+def register(app: typer.Typer, bench_app: typer.Typer | None = None) -> None:
+    app.add_typer(rl_app, name="rl")

@@ -1,0 +1,199 @@
+"""kvtier in verl 0.9.1's trainers, through the hooks verl offers (no verl file is changed).
+
+**Agent-loop manager** (`actor_rollout_ref.rollout.agent.agent_loop_manager_class:
+kvtier.rollout.trainer_hooks.KVTierAgentLoopManager`; both trainers read this key, `RayPPOTrainer`
+(`trainer.use_v1=false`) and `TaskRunnerV1`):
+
+* validation at `rollout.custom.kvtier.val_budget` (default: full attention). verl flags validation only
+  inside its agent-loop workers (`trajectory["validate"]`), not in the sampling params a server receives;
+  kvtier's workers add `kvtier_budget` to the sampling params of validation trajectories.
+* `trainer.use_v1=false`: the eviction metrics of each generated batch (`metrics.eviction_metrics`) go into
+  the output's `meta_info["timing"]`, which `RayPPOTrainer.fit` merges into the step's `timing_raw`; verl
+  logs every entry there as `timing_s/<name>` (it does the same with its own `agent_loop/num_preempted/*`),
+  so they appear as `timing_s/rollout/kvtier/eviction_events/mean`, ...
+* `trainer.use_v1=true`: `create()` returns the TransferQueue variant (`AgentLoopManagerTQ` subclass), which
+  `TaskRunnerV1` needs.
+
+**v1 trainer metrics**: verl's v1 trainers keep each sample's `extra_fields` (where the kvtier server puts
+its per-sample counters) in the TransferQueue and reduce none of them. `register_v1_trainers()` registers,
+for every trainer mode verl has (`sync`, `colocate_async`, `separate_async`), a `kvtier_<mode>` trainer
+whose `_compute_metrics` adds `eviction_metrics_from_fields` of the step's samples (logged as
+`rollout/kvtier/...`); select it with `trainer.v1.trainer_mode=kvtier_sync`. The registration runs when this
+module is imported and transfer_queue is installed; `TaskRunnerV1` resolves the mode before it builds the
+agent-loop manager, so name this module in `VERL_USE_EXTERNAL_MODULES` (verl imports those in every
+process) next to `kvtier.rollout.verl_plugin`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+import kvtier.rollout.verl_plugin  # noqa: F401
+from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopWorker
+from verl.utils.ray_utils import auto_await
+
+from .metrics import eviction_metrics, eviction_metrics_from_fields
+from .settings import KVTierRolloutSettings
+
+logger = logging.getLogger("kvtier.rollout")
+
+TIMING_KEY = "timing"
+
+
+def validation_args(config) -> dict[str, Any]:
+    """kvtier_* sampling params for validation trajectories under the full trainer `config`."""
+    rollout = config.actor_rollout_ref.rollout
+    if getattr(rollout, "name", None) != "kvtier":
+        return {}
+    return KVTierRolloutSettings.from_rollout_config(rollout).validation_request_args()
+
+
+class _ValidationBudget:
+    """Mixin for verl's agent-loop workers: validation trajectories get `val_budget`. Both verl workers
+    (`AgentLoopWorker`, `AgentLoopWorkerTQ`) call `_run_agent_loop(sampling_params, trajectory, ...)` once
+    per trajectory with the dict they pass on to the agent loop (and from there to the server)."""
+
+    async def _run_agent_loop(self, sampling_params, trajectory, *args, **kwargs):
+        if trajectory.get("validate"):
+            if not hasattr(self, "_kvtier_val_args"):
+                self._kvtier_val_args = validation_args(self.config)
+            if self._kvtier_val_args:
+                sampling_params = {**sampling_params, **self._kvtier_val_args}
+        return await super()._run_agent_loop(sampling_params, trajectory, *args, **kwargs)
+
+
+class KVTierAgentLoopWorker(_ValidationBudget, AgentLoopWorker):
+    pass
+
+
+class KVTierAgentLoopManager(AgentLoopManager):
+    """verl's AgentLoopManager with kvtier's validation budget and eviction metrics (see the module doc)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        if not hasattr(self, "agent_loop_workers_class"):
+            self.agent_loop_workers_class = ray.remote(KVTierAgentLoopWorker)
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def create(cls, *args, **kwargs):
+        """What verl's trainers call: the TransferQueue variant under `trainer.use_v1=true`."""
+        config = kwargs.get("config", args[0] if args else None)
+        if cls is KVTierAgentLoopManager and config is not None and _use_v1(config):
+            return v1_manager_class().create(*args, **kwargs)
+        return cls.create_dataproto(*args, **kwargs)
+
+    @classmethod
+    def create_dataproto(cls, *args, **kwargs):
+        """The DataProto-in/DataProto-out manager whatever `trainer.use_v1` says (`RayPPOTrainer`'s path;
+        `kvtier.rollout.local.LocalRollout`)."""
+        return super().create(*args, **kwargs)
+
+    @auto_await
+    async def generate_sequences(self, prompts):
+        output = await super().generate_sequences(prompts)
+        add_eviction_metrics(output)
+        return output
+
+
+def add_eviction_metrics(output) -> dict[str, float]:
+    """Put the batch's eviction metrics where `RayPPOTrainer` logs them (its `meta_info["timing"]`)."""
+    metrics = eviction_metrics(output)
+    if metrics:
+        output.meta_info.setdefault(TIMING_KEY, {}).update(metrics)
+    return metrics
+
+
+def _use_v1(config) -> bool:
+    trainer = config.get("trainer", {}) if hasattr(config, "get") else getattr(config, "trainer", {})
+    return bool(trainer.get("use_v1", False)) if hasattr(trainer, "get") else bool(getattr(trainer, "use_v1", False))
+
+
+_V1: dict[str, Any] = {}
+
+
+def v1_manager_class():
+    """`AgentLoopManagerTQ` with kvtier's agent-loop workers (imports transfer_queue). Built on first use;
+    module attributes (`KVTierAgentLoopManagerTQ`, `KVTierAgentLoopWorkerTQ`, PEP 562 `__getattr__`), so Ray
+    pickles them by reference like the v0 classes."""
+    if not _V1:
+        from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
+
+        worker_base = getattr(AgentLoopWorkerTQ, "__ray_actor_class__", AgentLoopWorkerTQ)   # it is @ray.remote
+
+        class KVTierAgentLoopWorkerTQ(_ValidationBudget, worker_base):
+            pass
+
+        class KVTierAgentLoopManagerTQ(AgentLoopManagerTQ):
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                self.agent_loop_workers_class = ray.remote(KVTierAgentLoopWorkerTQ)
+
+        for cls in (KVTierAgentLoopWorkerTQ, KVTierAgentLoopManagerTQ):
+            cls.__qualname__ = cls.__name__
+            cls.__module__ = __name__
+            _V1[cls.__name__] = cls
+    return _V1["KVTierAgentLoopManagerTQ"]
+
+
+def __getattr__(name: str):
+    if name in ("KVTierAgentLoopManagerTQ", "KVTierAgentLoopWorkerTQ"):
+        v1_manager_class()
+        return _V1[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class KVTierMetricsMixin:
+    """For verl's v1 trainers: after verl's own metrics, the step's eviction metrics from the samples'
+    `extra_fields` in the TransferQueue (read before the trainer clears them)."""
+
+    def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
+        try:
+            metrics.update(v1_eviction_metrics(batch))
+        except Exception as exc:  # noqa: BLE001 - metrics must never fail a training step
+            logger.warning("kvtier: eviction metrics unavailable this step: %s", exc)
+
+
+def v1_eviction_metrics(batch, kv_batch_get=None) -> dict[str, float]:
+    """Eviction metrics of a v1 `KVBatchMeta` (padding samples left out)."""
+    if kv_batch_get is None:
+        import transfer_queue as tq
+
+        kv_batch_get = tq.kv_batch_get
+    keep = [not tag.get("is_padding", False) for tag in batch.tags]
+    data = kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
+    fields = data["extra_fields"]
+    fields = fields.tolist() if hasattr(fields, "tolist") else list(fields)
+    return eviction_metrics_from_fields([f for f, k in zip(fields, keep) if k])
+
+
+def register_v1_trainers() -> list[str]:
+    """Register `kvtier_<mode>` for every v1 trainer mode verl registered (idempotent); the names."""
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+
+    names = []
+    for mode, cls in list(TRAINER_REGISTRY.items()):
+        if mode.startswith("kvtier_"):
+            continue
+        name = f"kvtier_{mode}"
+        if name not in TRAINER_REGISTRY:
+            register_trainer(name)(type(f"KVTier{cls.__name__}", (KVTierMetricsMixin, cls), {}))
+        names.append(name)
+    return names
+
+
+def _register_v1_if_available() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("transfer_queue") is None:
+        return
+    try:
+        register_v1_trainers()
+    except Exception as exc:  # noqa: BLE001 - never break the import (v0 trainers, agent-loop workers)
+        logger.warning("kvtier: could not register the kvtier_<mode> v1 trainers: %s", exc)
+
+
+_register_v1_if_available()
