@@ -60,6 +60,48 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         names = policies.split(",") if policies else None
         _print_json(run_rounds_bench(shapes, device=device, repeats=repeats, policies=names, threads=threads or None))
 
+    @bench_app.command("compaction")
+    def bench_compaction(
+        device: str = typer.Option("cpu", help="cpu or cuda"),
+        requests: Optional[str] = typer.Option(None, help="Due requests per step, comma-separated (default: cuda 1,64,256; cpu 1,8)."),
+        budgets: str = typer.Option("1024,2048", help="K values, comma-separated."),
+        buffer: int = typer.Option(64, help="r, the recent buffer (each due request holds K + 2r entries)."),
+        layers: int = typer.Option(36),
+        kv_heads: int = typer.Option(8, "--kv-heads"),
+        head_dim: int = typer.Option(128, "--head-dim"),
+        block_size: int = typer.Option(16, "--block-size"),
+        query_heads: int = typer.Option(32, "--query-heads", help="For policies reading queries (snapkv, rkv)."),
+        prompt_len: int = typer.Option(64, "--prompt-len"),
+        layouts: str = typer.Option("flash,cpu", help="Cache layouts: flash, cpu (vLLM's CPU page; its own op when importable), cpu_plain."),
+        policies: str = typer.Option("random,snapkv,rkv"),
+        repeats: Optional[int] = typer.Option(None, help="Timed steps per cell after the checked warm-up (default: cuda 10, cpu 3)."),
+        dtype: str = typer.Option("bfloat16"),
+        max_gb: Optional[float] = typer.Option(None, "--max-gb", help="Skip cells whose estimated peak memory (cache, its pristine copy, row indices) is larger (default: cpu 10 GiB, caches up to ~4 GiB; cuda 75% of free memory)."),
+        cpu_writer: str = typer.Option("auto", "--cpu-writer", help="Layout cpu: auto, vllm or emulated."),
+        threads: int = typer.Option(1, help="CPU threads (0 = torch default)."),
+        seed: int = typer.Option(0),
+        out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON here."),
+    ) -> None:
+        """ms per engine step for compacting every due request (selection + hole-filling row copies) on a
+        paged cache, against a full per-head gather of the same requests, with an exactness check."""
+        from kvtier.benchmarks.compaction import CompactionShapes, run_compaction_bench
+
+        ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+
+        def write(report: dict) -> None:   # after every cell too, so an interrupted run keeps its cells
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=2) + "\n")
+
+        shapes = CompactionShapes(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                                  buffer=buffer, query_heads=query_heads, prompt_len=prompt_len)
+        report = run_compaction_bench(device=device, requests=ints(requests) if requests else None, budgets=ints(budgets),
+                                      shapes=shapes, layouts=layouts.split(","), policies=policies.split(","),
+                                      repeats=repeats, dtype=dtype, threads=threads or None, max_gb=max_gb,
+                                      seed=seed, cpu_writer=cpu_writer, progress=write if out is not None else None)
+        _print_json(report)
+        if out is not None:
+            write(report)
+
     @bench_app.command("throughput")
     def bench_throughput(
         requests: int = typer.Option(16, help="Offered load: requests submitted at once."),

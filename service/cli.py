@@ -29,7 +29,7 @@ def model_tiny(
 # Each command group lives with the code it drives; a module exposes register(app) and imports its heavy
 # dependencies (torch, vLLM, Ray, verl) only inside the commands.
 COMMAND_MODULES = (
-    "kvtier.benchmarks.cli",     # kvtier bench rounds|throughput|capacity
+    "kvtier.benchmarks.cli",     # kvtier bench rounds|throughput|capacity|compaction
     "kvtier.engine.cli",         # kvtier generate
     "kvtier.service.serve_cli",  # kvtier serve
     "kvtier.rollout.cli",        # kvtier rollout ...
