@@ -15,3 +15,15 @@ def tiny_model_dir():
     from kvtier.models.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_torch_threads():
+    """Benchmarks set torch's CPU thread count (single-threaded by default); an in-process vLLM engine built
+    later in the same process would inherit it, and its kernels' summation order with it (greedy
+    near-ties then differ from a stock engine run in a fresh process)."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)

@@ -58,14 +58,18 @@ def test_budget_above_length_is_token_identical_to_unpatched_vllm(llm, tiny_mode
     n = 120
     patched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, [greedy(n, budget=2000)] * 3, use_tqdm=False)]
     plain_path = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, [greedy(n)] * 3, use_tqdm=False)]
+    # identical settings, thread count included: the CPU kernels' summation order follows it, and greedy
+    # near-ties of the random-weight model flip with it
+    threads = torch.get_num_threads()
     script = (
-        "import json,sys\nfrom vllm import LLM, SamplingParams\n"
+        f"import json,sys,torch\ntorch.set_num_threads({threads})\nfrom vllm import LLM, SamplingParams\n"
         f"llm=LLM(model={tiny_model_dir!r}, kv_cache_memory_bytes=32<<20, max_model_len=2048, max_num_seqs=16,"
         " enforce_eager=True, dtype='bfloat16', enable_prefix_caching=False)\n"
         f"sp=SamplingParams(max_tokens={n}, temperature=0, ignore_eos=True)\n"
         f"out=llm.generate({PROMPTS!r}, [sp]*3, use_tqdm=False)\n"
         "print('RESULT'+json.dumps([list(o.outputs[0].token_ids) for o in out]))\n")
-    env = {**__import__("os").environ, "VLLM_PLUGINS": "none", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**__import__("os").environ, "VLLM_PLUGINS": "none", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
     stock = json.loads(line[len("RESULT"):])

@@ -19,7 +19,6 @@ BUFFER = 16
 PROMPT = "Let x = 42. Then the answer is \\boxed{x} and we continue to reason about it " * 2
 
 
-@register
 class _ExplodingPolicy(EvictionPolicy):
     """Reads keys like a scored policy, then raises at its first round (a policy bug in production)."""
 
@@ -28,6 +27,16 @@ class _ExplodingPolicy(EvictionPolicy):
 
     def score(self, ctx):
         raise RuntimeError("scoring exploded")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def exploding_policy():
+    """Registered for this module only (benchmarks iterate every registered policy)."""
+    from kvtier.policies.registry import _REGISTRY
+
+    register(_ExplodingPolicy)
+    yield
+    _REGISTRY.pop(_ExplodingPolicy.name, None)
 
 
 @pytest.fixture(scope="module")
