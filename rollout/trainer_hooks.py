@@ -116,8 +116,8 @@ _V1: dict[str, Any] = {}
 
 def v1_manager_class():
     """`AgentLoopManagerTQ` with kvtier's agent-loop workers (imports transfer_queue). Built on first use;
-    module attributes (`KVTierAgentLoopManagerTQ`, `KVTierAgentLoopWorkerTQ`, PEP 562 `__getattr__`), so Ray
-    pickles them by reference like the v0 classes."""
+    module attributes (`KVTierAgentLoopManagerTQ`, `KVTierAgentLoopWorkerTQ`, PEP 562 `__getattr__`); Ray
+    pickles the manager by reference like the v0 classes, the worker by value (see below)."""
     if not _V1:
         from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
@@ -131,8 +131,14 @@ def v1_manager_class():
                 super().__init__(*args, **kwargs)
                 self.agent_loop_workers_class = ray.remote(KVTierAgentLoopWorkerTQ)
 
+        # Only the manager is pickled by reference. The worker must stay pickled by value, the way Ray ships
+        # verl's own `AgentLoopWorkerTQ`: its inherited methods (tracing-wrapped onto Ray's actor class) are
+        # pickled by value because `agent_loop_tq.AgentLoopWorkerTQ` names the ActorClass, not the class, and
+        # so is the class in their zero-arg `super()` cell. By reference, the actor process would rebuild the
+        # worker on its own import of verl's class while `__init__`'s cell held a by-value copy:
+        # "super(type, obj): obj must be an instance or subtype of type". By value, both are one copy.
+        KVTierAgentLoopManagerTQ.__qualname__ = KVTierAgentLoopManagerTQ.__name__
         for cls in (KVTierAgentLoopWorkerTQ, KVTierAgentLoopManagerTQ):
-            cls.__qualname__ = cls.__name__
             cls.__module__ = __name__
             _V1[cls.__name__] = cls
     return _V1["KVTierAgentLoopManagerTQ"]
