@@ -40,13 +40,6 @@ class PagedLayout:
         span = sum((s - 1) * st for s, st in zip(cache.shape, cache.stride())) + 1
         return cache.as_strided((span,), (1,), cache.storage_offset())
 
-    def token_offsets(self, blocks: Tensor, heads: Tensor, slots: Tensor) -> Tensor:
-        """[n, 2*d] flat offsets of K then V for n (block, head, in-block slot) triples."""
-        base = blocks.to(torch.long).unsqueeze(1) * self.block_stride
-        k = self.k_offsets[heads, slots]
-        v = self.v_offsets[heads, slots]
-        return torch.cat([k, v], dim=1) + base
-
 
 def probe_layout(cache: Tensor, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  write: CacheWriter) -> PagedLayout:

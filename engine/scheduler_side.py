@@ -74,10 +74,6 @@ class SchedulerEviction:
         self.failed.discard(request_id)
 
     # -- per step ----------------------------------------------------------------------------
-    def physical_len(self, request) -> int:
-        st = self.states.get(request.request_id)
-        return request.num_computed_tokens - (st.offset if st else 0)
-
     def plan(self, scheduler) -> None:
         """Before vLLM schedules: compact due decode requests and free their tail blocks."""
         self.reserved_blocks = 0

@@ -27,3 +27,11 @@ def _restore_torch_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def replay(tiny_model_dir):
+    """The masked-attention oracle (transformers) on the tiny model."""
+    from kvtier.models.reference import MaskedReplay
+
+    return MaskedReplay(tiny_model_dir)

@@ -18,3 +18,13 @@ def records_for(audit_path: str, request_id: str) -> list[dict]:
 def first_round_row(records, prompt_len):
     rounds = [r for r in records if "kept" in r]
     return min(r["query_position"] for r in rounds) + 1 - prompt_len + 1 if rounds else None
+
+
+def greedy(max_tokens, logprobs=None, **kvtier):
+    """Greedy SamplingParams with ignore_eos and the request's kvtier_* parameters."""
+    from vllm import SamplingParams
+
+    from kvtier.engine.api import sampling_extra_args
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs,
+                          extra_args=sampling_extra_args(**kvtier) or None)

@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 
-from engine_helpers import engine_logprobs, first_round_row, records_for  # noqa: E402
-from kvtier.engine.api import build_llm, eviction_stats, pool_state, sampling_extra_args  # noqa: E402
+from engine_helpers import engine_logprobs, greedy, first_round_row, records_for  # noqa: E402
+from kvtier.engine.api import build_llm, eviction_stats, pool_state  # noqa: E402
 from kvtier.engine.support import KVTierRequestError, UnsupportedEngineConfig, check_supported  # noqa: E402
 
 BUFFER = 16
@@ -39,18 +39,6 @@ def engines():
     """Engines a test builds stay alive until the module ends: dropping an in-process vLLM engine tears
     down vLLM's global process groups under any other engine still in use."""
     return []
-
-
-@pytest.fixture(scope="module")
-def replay(tiny_model_dir):
-    from kvtier.models.reference import MaskedReplay
-
-    return MaskedReplay(tiny_model_dir)
-
-
-def greedy(max_tokens, logprobs=None, **kvtier):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs,
-                          extra_args=sampling_extra_args(**kvtier) or None)
 
 
 def test_budget_above_length_is_token_identical_to_unpatched_vllm(llm, tiny_model_dir):

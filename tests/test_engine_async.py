@@ -9,10 +9,9 @@ rounds match the masked reference, the block bound holds, preemption recomputes 
 import pytest
 
 pytest.importorskip("vllm")
-from vllm import SamplingParams  # noqa: E402
 
-from engine_helpers import engine_logprobs, first_round_row, records_for  # noqa: E402
-from kvtier.engine.api import build_llm, eviction_stats, pool_state, sampling_extra_args, scheduler_of  # noqa: E402
+from engine_helpers import engine_logprobs, greedy, first_round_row, records_for  # noqa: E402
+from kvtier.engine.api import build_llm, eviction_stats, pool_state, scheduler_of  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -45,13 +44,6 @@ def engines():
     return []   # in-process engines stay alive until the module ends (see test_engine.py)
 
 
-@pytest.fixture(scope="module")
-def replay(tiny_model_dir):
-    from kvtier.models.reference import MaskedReplay
-
-    return MaskedReplay(tiny_model_dir)
-
-
 def build(tiny_model_dir, engines, **eviction_and_kw):
     kv_bytes = eviction_and_kw.pop("kv_cache_bytes", 32 << 20)
     llm = build_llm(tiny_model_dir, eviction=eviction_and_kw.pop("eviction"), kv_cache_bytes=kv_bytes,
@@ -61,11 +53,6 @@ def build(tiny_model_dir, engines, **eviction_and_kw):
     assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
     assert type(scheduler_of(llm)).__name__ == "AsyncScheduler"
     return llm
-
-
-def greedy(max_tokens, logprobs=None, **kvtier):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs,
-                          extra_args=sampling_extra_args(**kvtier) or None)
 
 
 def test_rounds_run_and_match_masked_reference_under_async_scheduling(async_scheduling, tiny_model_dir, tmp_path,

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-from vllm import SamplingParams  # noqa: E402
 
-from engine_helpers import engine_logprobs, records_for  # noqa: E402
-from kvtier.engine.api import build_llm, eviction_stats, pool_state, sampling_extra_args  # noqa: E402
+from engine_helpers import engine_logprobs, greedy, records_for  # noqa: E402
+from kvtier.engine.api import build_llm, eviction_stats, pool_state  # noqa: E402
 from kvtier.policies import EvictionPolicy  # noqa: E402
 from kvtier.policies.base import KEYS  # noqa: E402
 from kvtier.policies.keyed_random import keyed_subsets, row_keys, seed_key  # noqa: E402
@@ -48,18 +47,6 @@ def audit_path(tmp_path_factory):
 def llm(tiny_model_dir, audit_path):
     return build_llm(tiny_model_dir, eviction={"default": {"buffer": BUFFER}, "audit_log": audit_path},
                      kv_cache_bytes=16 << 20, max_model_len=1024, max_num_seqs=16, enforce_eager=True)
-
-
-@pytest.fixture(scope="module")
-def replay(tiny_model_dir):
-    from kvtier.models.reference import MaskedReplay
-
-    return MaskedReplay(tiny_model_dir)
-
-
-def greedy(max_tokens, logprobs=None, **kvtier):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs,
-                          extra_args=sampling_extra_args(**kvtier) or None)
 
 
 def kept_sets(audit_path, request_id):

@@ -48,13 +48,6 @@ def llm(tiny_model_dir, audit_path):
                      kv_cache_bytes=32 << 20, max_model_len=2048, max_num_seqs=16, enforce_eager=True)
 
 
-@pytest.fixture(scope="module")
-def replay(tiny_model_dir):
-    from kvtier.models.reference import MaskedReplay
-
-    return MaskedReplay(tiny_model_dir)
-
-
 def _kvtier_of(worker):
     return worker.model_runner.kvtier
 

@@ -14,20 +14,14 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-from vllm import SamplingParams  # noqa: E402
 
-from engine_helpers import engine_logprobs, first_round_row, records_for  # noqa: E402
-from kvtier.engine.api import build_llm, eviction_stats, pool_state, sampling_extra_args  # noqa: E402
+from engine_helpers import engine_logprobs, greedy, first_round_row, records_for  # noqa: E402
+from kvtier.engine.api import build_llm, eviction_stats, pool_state  # noqa: E402
 from kvtier.engine.support import KVTierRequestError  # noqa: E402
 
 BUDGET, BUFFER, PREFIX = 128, 16, 64
 _rng = random.Random(14)
 PROMPT = [_rng.randrange(3, 3000) for _ in range(300)]
-
-
-def greedy(max_tokens, logprobs=None, **kvtier):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs,
-                          extra_args=sampling_extra_args(**kvtier) or None)
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +33,6 @@ def audit_path(tmp_path_factory):
 def llm(tiny_model_dir, audit_path):
     return build_llm(tiny_model_dir, eviction={"default": {"policy": "random", "buffer": BUFFER}, "audit_log": audit_path},
                      kv_cache_bytes=32 << 20, max_model_len=2048, max_num_seqs=16, enforce_eager=True)
-
-
-@pytest.fixture(scope="module")
-def replay(tiny_model_dir):
-    from kvtier.models.reference import MaskedReplay
-
-    return MaskedReplay(tiny_model_dir)
 
 
 def test_long_prompt_rejected_without_protect_prefix(llm):

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-from vllm import SamplingParams  # noqa: E402
 
-from engine_helpers import engine_logprobs, first_round_row, records_for  # noqa: E402
-from kvtier.engine.api import build_llm, eviction_stats, sampling_extra_args  # noqa: E402
+from engine_helpers import engine_logprobs, greedy, first_round_row, records_for  # noqa: E402
+from kvtier.engine.api import build_llm, eviction_stats  # noqa: E402
 
 BUFFER = 16
 PROMPTS = [
@@ -24,11 +23,6 @@ PROMPTS = [
     "Hello world, the answer is ",
     "A long chain of thought begins here: first we note that seven times six is forty two, ",
 ]
-
-
-def greedy(max_tokens, logprobs=None, **kvtier):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs,
-                          extra_args=sampling_extra_args(**kvtier) or None)
 
 
 def _scramble(worker) -> dict:
@@ -71,13 +65,6 @@ def audit_path(tmp_path_factory):
 def llm(tiny_model_dir, audit_path):
     return build_llm(tiny_model_dir, eviction={"default": {"policy": "random", "buffer": BUFFER}, "audit_log": audit_path},
                      kv_cache_bytes=32 << 20, max_model_len=2048, max_num_seqs=16, enforce_eager=True)
-
-
-@pytest.fixture(scope="module")
-def replay(tiny_model_dir):
-    from kvtier.models.reference import MaskedReplay
-
-    return MaskedReplay(tiny_model_dir)
 
 
 def _check_against_reference(replay, audit_path, out, budget, min_rounds=3):

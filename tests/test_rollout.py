@@ -168,13 +168,6 @@ def rollout(tiny_model_dir, tmp_path_factory):
             prom.stop()
 
 
-@pytest.fixture(scope="module")
-def replay(tiny_model_dir):
-    from kvtier.models.reference import MaskedReplay
-
-    return MaskedReplay(tiny_model_dir)
-
-
 def generate(rollout, prompt_ids, **sampling):
     return ray.get(rollout.server.generate.remote(prompt_ids=prompt_ids, sampling_params=sampling,
                                                   request_id=f"t{random.getrandbits(48):x}"))
