@@ -135,6 +135,38 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         if not report["valid"]:
             raise typer.Exit(2)
 
+    @bench_app.command("rollout")
+    def bench_rollout(
+        samples: int = typer.Option(20, help="Prompts in the batch (one response each)."),
+        gen_tokens: int = typer.Option(2048, "--gen-tokens", help="Generated per sample (ignore_eos)."),
+        budget: int = typer.Option(256, help="K of the compressed arm."),
+        buffer: int = typer.Option(64),
+        policy: str = typer.Option("random", help="Policy of the compressed arm."),
+        full_seqs: int = typer.Option(4, "--full-seqs", help="KV pool size in full-length sequences (prompt + gen)."),
+        kv_bytes: Optional[int] = typer.Option(None, "--kv-bytes", help="KV pool bytes (overrides --full-seqs)."),
+        prompt_length: int = typer.Option(128, "--prompt-length", help="data.max_prompt_length."),
+        temperature: float = typer.Option(1.0),
+        server_cpus: Optional[int] = typer.Option(None, "--server-cpus",
+                                                  help="Ray CPUs = engine threads of the server (default: all cores)."),
+        model: Optional[str] = typer.Option(None, help="HF model dir (default: the tiny local Qwen3)."),
+        out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON here."),
+    ) -> None:
+        """One long-CoT batch through verl's agent loop (rollout.name=kvtier): wall time, tok/s, preemptions
+        and eviction events, compressed vs full attention on the same engine and KV pool."""
+        from kvtier.benchmarks.rollout import RolloutShape, run_rollout_bench
+        from kvtier.models.tiny import ensure_tiny_model
+
+        shape = RolloutShape(samples=samples, gen_tokens=gen_tokens, prompt_length=prompt_length, budget=budget,
+                             buffer=buffer, policy=policy, full_seqs=full_seqs, kv_bytes=kv_bytes,
+                             temperature=temperature, server_cpus=server_cpus)
+        report = run_rollout_bench(model or str(ensure_tiny_model()), shape)
+        _print_json(report)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=2) + "\n")
+        if not report["valid"]:
+            raise typer.Exit(2)
+
     @bench_app.command("capacity")
     def bench_capacity(
         budget: int = typer.Option(256),

@@ -7,7 +7,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-TINY_BLOCK_BYTES = 4 * 2 * 64 * 2 * 2 * 128  # tiny Qwen3: layers * kv_heads * head_dim * (K,V) * bf16 * block
+TINY_BLOCK_TOKENS = 128  # vLLM's CPU KV block size
+TINY_BLOCK_BYTES = 4 * 2 * 64 * 2 * 2 * TINY_BLOCK_TOKENS  # tiny Qwen3: layers * kv_heads * head_dim * (K,V) * bf16 * block
 
 
 @dataclass

@@ -4,10 +4,11 @@
     keep = make_policy("random").keep(ctx)   # [H_kv, K] per-head keep-set, chronological
 """
 
-from .base import EvictionContext, EvictionPolicy, PolicyError, complement
+from .base import EvictionContext, EvictionPolicy, PolicyError
 from .compaction import CompactionPlan, DenseHeadCache, apply_plan_dense, full_gather_plan, hole_fill_plan
 from .registry import available, make_policy, policy_class, register
 from .schedule import EvictionSchedule
+from .scoring import complement
 
 # Importing the modules registers their policies.
 from . import diverse as _diverse, h2o as _h2o, random as _random, rkv as _rkv, snapkv as _snapkv, triattention as _triattention, vase as _vase, window as _window  # noqa: E402,F401,E501

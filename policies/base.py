@@ -7,15 +7,18 @@ compaction code here, or the vLLM engine) gathers only what the policy declares 
 Shapes: H = KV heads (any leading row count works for policies that read nothing), S = candidates,
 d = head_dim, w = window of recent queries. Candidates are in chronological order per head
 (`positions[h]` ascending), except for policies with `order_free = True`, which may be given any order.
+Tensor helpers the policies share (window attention, unit rows, ...) are in `scoring.py`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+
+from .scoring import complement
 
 
 class PolicyError(ValueError):
@@ -35,10 +38,12 @@ class EvictionContext:
     budget:    K, the candidates each head keeps.
     prompt_len: ℓp, positions < ℓp are the prompt.
     keys/values: [H, S, d] cached (post-RoPE) keys / values of the candidates.
-    queries:   [H_q, w, d] the w most recent (post-RoPE) queries; H_q is a multiple of H (GQA).
-    buffer_keys: [H, r, d] keys in the recent buffer (not candidates; used for softmax normalisation).
+    queries:   [H_q, w, d] the w most recent (post-RoPE) queries, chronological, the newest the query of the
+               token at query_position; H_q is a multiple of H (GQA).
+    buffer_keys: [H, r, d] keys in the recent buffer, chronological, the newest the key of the token at
+               query_position (not candidates; used for softmax normalisation and as causal context).
     attention: [H, S] accumulated attention each candidate received (H2O-style state).
-    query_position: logical position of the newest token (for distance-based scores).
+    query_position: logical position of the newest token (distance-based scores, causal window masks).
     generator: seeded torch.Generator for stochastic policies.
     """
 
@@ -63,44 +68,62 @@ class EvictionContext:
         return self.positions.shape[1]
 
 
+# Field metadata (dataclasses.field(metadata=...)) read by `EvictionPolicy.params`.
+NOT_A_PARAM = {"param": False}        # a constructor argument that is not a parameter (e.g. a loaded file)
+OMIT_IF_NONE = {"omit_if_none": True}  # listed in params() only when set
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
 class EvictionPolicy:
     """Base class: score candidates, force-keep the protected ones, keep the top-K per head.
 
     Subclasses set `name`, `needs`, the protection defaults, and implement `score` (higher = keep).
     A policy that natively picks victims (e.g. `random`) overrides `evict` instead; `keep` and `evict`
     are complements of each other, so either may be implemented.
+
+    Every policy is a dataclass (keyword-only, identity equality): its fields are its parameters, set by
+    `make_policy(name, **params)` and validated / normalised in `__post_init__` (subclasses call
+    `super().__post_init__()` first). `params()` and `repr` are derived from the fields.
     """
 
     name: ClassVar[str] = ""
     needs: ClassVar[frozenset[str]] = frozenset()
+    optional: ClassVar[frozenset[str]] = frozenset()  # read when given (the engines provide BUFFER_KEYS)
     order_free: ClassVar[bool] = False
     default_protect_prompt: ClassVar[bool] = True
     default_sinks: ClassVar[int] = 0
 
-    def __init__(self, *, protect_prompt: bool | None = None, sinks: int | None = None,
-                 protect_prefix: int | None = None) -> None:
-        if protect_prefix is not None:
-            if protect_prompt is False:
+    # None: the class default (default_protect_prompt / default_sinks); resolved in __post_init__.
+    protect_prompt: bool | None = None
+    sinks: int | None = None
+    # None: the whole prompt is protected when protect_prompt is on (the paper's rule); N: only the
+    # first min(N, prompt_len) prompt positions are (multi-turn: the first turn; resumed partial
+    # rollouts: the original prompt), the rest of the prompt are ordinary candidates.
+    protect_prefix: int | None = field(default=None, metadata=OMIT_IF_NONE)
+
+    def __post_init__(self) -> None:
+        if self.protect_prefix is not None:
+            if self.protect_prompt is False:
                 raise PolicyError("protect_prefix protects the first N prompt positions; it cannot be combined "
                                   "with protect_prompt=False")
-            if int(protect_prefix) < 0:
-                raise PolicyError(f"protect_prefix must be >= 0, got {protect_prefix}")
-            protect_prompt = True
-        self.protect_prompt = self.default_protect_prompt if protect_prompt is None else bool(protect_prompt)
-        # None: the whole prompt is protected when protect_prompt is on (the paper's rule); N: only the
-        # first min(N, prompt_len) prompt positions are (multi-turn: the first turn; resumed partial
-        # rollouts: the original prompt), the rest of the prompt are ordinary candidates.
-        self.protect_prefix = None if protect_prefix is None else int(protect_prefix)
-        self.sinks = self.default_sinks if sinks is None else int(sinks)
+            if int(self.protect_prefix) < 0:
+                raise PolicyError(f"protect_prefix must be >= 0, got {self.protect_prefix}")
+            self.protect_prompt = True
+        self.protect_prompt = self.default_protect_prompt if self.protect_prompt is None else bool(self.protect_prompt)
+        self.protect_prefix = None if self.protect_prefix is None else int(self.protect_prefix)
+        self.sinks = self.default_sinks if self.sinks is None else int(self.sinks)
         if self.sinks < 0:
             raise PolicyError(f"sinks must be >= 0, got {self.sinks}")
 
     # -- configuration -------------------------------------------------------------------------
     def params(self) -> dict[str, Any]:
-        """The policy's parameters (for logs and configs)."""
-        out: dict[str, Any] = {"protect_prompt": self.protect_prompt, "sinks": self.sinks}
-        if self.protect_prefix is not None:
-            out["protect_prefix"] = self.protect_prefix
+        """The policy's parameters (for logs and configs): its dataclass fields in definition order
+        (base fields first), less those marked NOT_A_PARAM and unset OMIT_IF_NONE ones."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("param", True) and not (value is None and f.metadata.get("omit_if_none")):
+                out[f.name] = value
         return out
 
     def protected_len(self, prompt_len: int) -> int:
@@ -185,47 +208,7 @@ class EvictionPolicy:
         return f"{type(self).__name__}({args})"
 
 
-def complement(index: Tensor, size: int) -> Tensor:
-    """Per row, the ascending indices in [0, size) that `index` does not name (rows have equal counts)."""
-    rows = index.shape[0]
-    mask = torch.ones(rows, size, dtype=torch.bool, device=index.device)
-    mask.scatter_(1, index, False)
-    return mask.nonzero()[:, 1].view(rows, size - index.shape[1])
-
-
-def grouped_window_attention(keys: Tensor, queries: Tensor, buffer_keys: Tensor | None = None) -> Tensor:
-    """[H, S]: attention the window queries put on each candidate, summed over the window and averaged
-    over each KV head's query group. Softmax runs over candidates plus the buffer keys when given."""
-    return window_attention(keys, queries, buffer_keys).sum(dim=2).mean(dim=1)
-
-
-def window_attention(keys: Tensor, queries: Tensor, buffer_keys: Tensor | None = None) -> Tensor:
-    """[H, G, w, S]: softmax attention of every window query (G = query heads per KV head) on each
-    candidate. Softmax runs over candidates plus the buffer keys when given."""
-    H, S, d = keys.shape
-    group = queries.shape[0] // H
-    q = queries.float().view(H, group * queries.shape[1], d)
-    k = keys.float()
-    if buffer_keys is not None:
-        k = torch.cat([k, buffer_keys.float()], dim=1)
-    attn = torch.softmax(q @ k.transpose(1, 2) / d**0.5, dim=-1)[:, :, :S]  # [H, G*w, S]
-    return attn.view(H, group, -1, S)
-
-
-def unit_rows(x: Tensor, eps: float = 1e-8) -> Tensor:
-    """x / ||x|| along the last dim (float32 or wider); all-zero rows stay zero."""
-    x = x.double() if x.dtype == torch.float64 else x.float()
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
-
-
-def top_per_row(scores: Tensor, counts: Tensor, eligible: Tensor) -> Tensor:
-    """[H, S] bool: per row h, the counts[h] eligible entries with the largest scores (ties: lower index).
-    Rows with fewer than counts[h] eligible entries get all of them."""
-    ranked = scores.masked_fill(~eligible, float("-inf")).argsort(dim=1, descending=True, stable=True)
-    rank = ranked.argsort(dim=1)
-    return (rank < counts.view(-1, 1)) & eligible
-
-
+@dataclass(kw_only=True, eq=False, repr=False)
 class SelectionPolicy(EvictionPolicy):
     """For policies that build their keep-set directly (samplers, greedy selectors) instead of ranking
     one score: implement `keep_mask(ctx)` -> [H, S] bool with exactly K true per head, every protected

@@ -19,14 +19,15 @@ Default: global with λ1 = 0, λ2 = −0.15 (the fragment's fixed rule).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from .base import (BUFFER_KEYS, KEYS, QUERIES, EvictionContext, PolicyError, SelectionPolicy, top_per_row, unit_rows,
-                   window_attention)
+from .base import BUFFER_KEYS, KEYS, QUERIES, EvictionContext, PolicyError, SelectionPolicy
 from .registry import register
+from .scoring import top_per_row, unit_rows, window_attention
 
 PROFILE_PARAMS = {"global": 1, "segments": 3, "curve": 3}
 
@@ -65,11 +66,13 @@ def mmr_admit(score: Tensor, unit_keys: Tensor, pool: Tensor, counts: Tensor, la
 
 
 @register
+@dataclass(kw_only=True, eq=False, repr=False)
 class DiversePolicy(SelectionPolicy):
     """Mean attention + λ1·dispersion, normalised per head, then MMR admission with λ2·redundancy.
 
     `layer` / `num_layers` come from ctx.extras["layer"] / ["num_layers"] or the constructor (not needed
     for the global profile). `a1`, `a2` are the profile parameters of λ1 and λ2 in a-space (λ = sinh a).
+    The window attention is causal, as SnapKV's (`scoring.window_attention`).
     """
 
     name = "diverse"
@@ -78,23 +81,24 @@ class DiversePolicy(SelectionPolicy):
     default_protect_prompt = False
     default_sinks = 4
 
-    def __init__(self, *, window: int = 8, profile: str = "global", a1: Sequence[float] = (0.0,),
-                 a2: Sequence[float] = (math.asinh(-0.15),), pool_factor: int = 4, layer: int | None = None,
-                 num_layers: int | None = None, **kw) -> None:
-        super().__init__(**kw)
-        if window <= 0:
-            raise PolicyError(f"window must be > 0, got {window}")
-        if pool_factor < 1:
-            raise PolicyError(f"pool_factor must be >= 1, got {pool_factor}")
-        self.window, self.profile, self.pool_factor = int(window), profile, int(pool_factor)
-        self.a1, self.a2 = tuple(float(a) for a in a1), tuple(float(a) for a in a2)
-        self.layer, self.num_layers = layer, num_layers
-        for params in (self.a1, self.a2):  # validate the profile now
-            depth_lambda(profile, params, 0, 1)
+    window: int = 8
+    profile: str = "global"
+    a1: Sequence[float] = (0.0,)
+    a2: Sequence[float] = (math.asinh(-0.15),)
+    pool_factor: int = 4
+    layer: int | None = None
+    num_layers: int | None = None
 
-    def params(self) -> dict:
-        return {**super().params(), "window": self.window, "profile": self.profile, "a1": self.a1, "a2": self.a2,
-                "pool_factor": self.pool_factor, "layer": self.layer, "num_layers": self.num_layers}
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window <= 0:
+            raise PolicyError(f"window must be > 0, got {self.window}")
+        if self.pool_factor < 1:
+            raise PolicyError(f"pool_factor must be >= 1, got {self.pool_factor}")
+        self.window, self.pool_factor = int(self.window), int(self.pool_factor)
+        self.a1, self.a2 = tuple(float(a) for a in self.a1), tuple(float(a) for a in self.a2)
+        for params in (self.a1, self.a2):  # validate the profile now
+            depth_lambda(self.profile, params, 0, 1)
 
     def lambdas(self, ctx: EvictionContext) -> tuple[float, float]:
         layer = self.layer if ctx.extras.get("layer") is None else ctx.extras["layer"]
@@ -107,7 +111,8 @@ class DiversePolicy(SelectionPolicy):
 
     def base_score(self, ctx: EvictionContext, lambda1: float) -> Tensor:
         """[H, S] s = μ + λ1·σ over the window queries."""
-        attn = window_attention(ctx.keys, ctx.queries[:, -self.window :], ctx.buffer_keys).mean(dim=1)  # [H, w, S]
+        attn = window_attention(ctx.keys, ctx.queries[:, -self.window :], ctx.buffer_keys, positions=ctx.positions,
+                                query_position=ctx.query_position).mean(dim=1)  # [H, w, S]
         sigma = attn.std(dim=1) if attn.shape[1] > 1 else torch.zeros_like(attn[:, 0])
         return attn.mean(dim=1) + lambda1 * sigma
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -13,6 +15,7 @@ _BLOCK_ELEMENTS = 1 << 24
 
 
 @register
+@dataclass(kw_only=True, eq=False, repr=False)
 class H2OPolicy(EvictionPolicy):
     """s_i = Σ_{t'=i}^{t} α_i^(t') (Zhang et al., 2023; paper §2).
 

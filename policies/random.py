@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -10,6 +12,7 @@ from .registry import register
 
 
 @register
+@dataclass(kw_only=True, eq=False, repr=False)
 class RandomPolicy(EvictionPolicy):
     """Keep the prompt; every other candidate gets an i.i.d. uniform score, independently per KV head.
 
@@ -79,6 +82,7 @@ def sample_distinct(rows: int, n: int, k: int, generator: torch.Generator | None
 
 
 @register
+@dataclass(kw_only=True, eq=False, repr=False)
 class RandomSharedPolicy(RandomPolicy):
     """Control without cross-head diversity: one draw per logical position, shared by every head.
 
@@ -96,6 +100,7 @@ class RandomSharedPolicy(RandomPolicy):
 
 
 @register
+@dataclass(kw_only=True, eq=False, repr=False)
 class RandomBlockPolicy(RandomPolicy):
     """Random Attention over contiguous blocks of `block` positions (paper Figure 3c).
 
@@ -105,14 +110,13 @@ class RandomBlockPolicy(RandomPolicy):
 
     name = "random_block"
 
-    def __init__(self, *, block: int = 16, **kw) -> None:
-        super().__init__(**kw)
-        if block <= 0:
-            raise PolicyError(f"block must be > 0, got {block}")
-        self.block = int(block)
+    block: int = 16
 
-    def params(self) -> dict:
-        return {**super().params(), "block": self.block}
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block <= 0:
+            raise PolicyError(f"block must be > 0, got {self.block}")
+        self.block = int(self.block)
 
     def score(self, ctx: EvictionContext) -> Tensor:
         pos = ctx.positions

@@ -2,29 +2,44 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from .base import EvictionContext, PolicyError, unit_rows
+from .base import EvictionContext, PolicyError
 from .registry import register
+from .scoring import unit_rows
 from .snapkv import SnapKVPolicy
 
 
-def mean_key_cosine(keys: Tensor) -> Tensor:
-    """[H, S]: c̄_i = 1/(S-1) Σ_{j≠i} cos(k_i, k_j), in O(S·d) via Σ_j k̂_j (0 when S = 1)."""
+def mean_key_cosine(keys: Tensor, others: Tensor | None = None) -> Tensor:
+    """[H, S]: c̄_i = 1/(N-1) Σ_{j≠i} cos(k_i, k_j) over the N = S + r keys of `keys` [H, S, d] and
+    `others` [H, r, d] (r = 0 when None), in O(N·d) via Σ_j k̂_j (0 when N = 1)."""
     u = unit_rows(keys)
     S = u.shape[1]
-    total = (u * u.sum(dim=1, keepdim=True)).sum(dim=-1)  # k̂_i · Σ_j k̂_j, includes j = i
-    return (total - (u * u).sum(dim=-1)) / max(S - 1, 1)
+    pool = u.sum(dim=1, keepdim=True)
+    n = S
+    if others is not None:
+        pool = pool + unit_rows(others).sum(dim=1, keepdim=True)
+        n += others.shape[1]
+    total = (u * pool).sum(dim=-1)  # k̂_i · Σ_j k̂_j, includes j = i
+    return (total - (u * u).sum(dim=-1)) / max(n - 1, 1)
 
 
 @register
+@dataclass(kw_only=True, eq=False, repr=False)
 class RKVPolicy(SnapKVPolicy):
     """s_i = λ · ŝ_i + (1 − λ) · (1 − c̄_i)   (paper §2; λ = `mix_lambda`).
 
-    ŝ_i is the SnapKV score (window attention, max-pooled; `window`/`kernel` as in `snapkv`) divided by
-    its per-head mean over the candidates, so ŝ has mean 1 whatever the window length or softmax
-    denominator. c̄_i is the mean cosine similarity of k_i to the other candidates' (post-RoPE) keys.
+    ŝ_i is the SnapKV score (window attention, causal and max-pooled; `window`/`kernel` as in `snapkv`)
+    divided by its per-head mean over the candidates, so ŝ has mean 1 whatever the window length or
+    softmax denominator. c̄_i is the mean cosine similarity of k_i to the other cached (post-RoPE) keys:
+    the other candidates and the recent buffer's keys (the window's own keys among them) when the engine
+    provides them (`buffer_keys`, which both engines do), N − 1 = S + r − 1 of them, as in the paper's
+    c̄_i = 1/(N−1) Σ_{j≠i} cos(k_i, k_j) over the cached keys and in R-KV's `cal_similarity`, which runs
+    over every cached key, observation window included; over the other candidates only (N = S) when the
+    context has no buffer keys.
 
     Why unit mean: R-KV's released scorer (Zefan-Cai/R-KV, `rkv/compression/r1_kv.py` with
     `rkv/utils.py::cal_similarity`) mixes λ·a_i − (1−λ)·softmax_i(c̄), where a is the window-mean
@@ -41,14 +56,13 @@ class RKVPolicy(SnapKVPolicy):
 
     name = "rkv"
 
-    def __init__(self, *, mix_lambda: float = 0.5, **kw) -> None:
-        super().__init__(**kw)
-        if not 0.0 <= mix_lambda <= 1.0:
-            raise PolicyError(f"mix_lambda must be in [0, 1], got {mix_lambda}")
-        self.mix_lambda = float(mix_lambda)
+    mix_lambda: float = 0.5
 
-    def params(self) -> dict:
-        return {**super().params(), "mix_lambda": self.mix_lambda}
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.mix_lambda <= 1.0:
+            raise PolicyError(f"mix_lambda must be in [0, 1], got {self.mix_lambda}")
+        self.mix_lambda = float(self.mix_lambda)
 
     def importance(self, ctx: EvictionContext) -> Tensor:
         """ŝ: the SnapKV score scaled to mean 1 per head."""
@@ -57,4 +71,4 @@ class RKVPolicy(SnapKVPolicy):
 
     def score(self, ctx: EvictionContext) -> Tensor:
         lam = self.mix_lambda
-        return lam * self.importance(ctx) + (1.0 - lam) * (1.0 - mean_key_cosine(ctx.keys))
+        return lam * self.importance(ctx) + (1.0 - lam) * (1.0 - mean_key_cosine(ctx.keys, ctx.buffer_keys))

@@ -28,7 +28,7 @@ both terms alike and does not change the per-head ranking).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .base import KEYS, EvictionContext, EvictionPolicy, PolicyError
+from .base import KEYS, NOT_A_PARAM, EvictionContext, EvictionPolicy, PolicyError
 from .registry import register
 
 ROPE_STYLES = ("half", "interleaved")  # HF rotate_half pairs (m, m + d/2); GPT-J pairs (2m, 2m + 1)
@@ -173,6 +173,7 @@ def future_offsets(max_offset: int) -> list[int]:
 
 
 @register
+@dataclass(kw_only=True, eq=False, repr=False)
 class TriAttentionPolicy(EvictionPolicy):
     """s_i = mean_o f_h(Δ_i + o) + Σ_m β_{h,m} |k_{i,m}|, Δ_i = query_position − position_i (module doc).
 
@@ -189,16 +190,17 @@ class TriAttentionPolicy(EvictionPolicy):
     order_free = True
     default_protect_prompt = True
 
-    def __init__(self, *, calibration: TriAttentionCalibration | str | Path | None = None, layer: int | None = None,
-                 max_offset: int = 65536, **kw) -> None:
-        super().__init__(**kw)
-        self.calibration = load_calibration(calibration) if isinstance(calibration, (str, Path)) else calibration
-        self.layer = layer
-        self.max_offset = int(max_offset)
-        self.offsets = future_offsets(self.max_offset)
+    # a path is loaded in __post_init__; not in params() (the engine passes the path in kvtier_params)
+    calibration: TriAttentionCalibration | str | Path | None = field(default=None, metadata=NOT_A_PARAM)
+    layer: int | None = None
+    max_offset: int = 65536
 
-    def params(self) -> dict:
-        return {**super().params(), "layer": self.layer, "max_offset": self.max_offset}
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.calibration, (str, Path)):
+            self.calibration = load_calibration(self.calibration)
+        self.max_offset = int(self.max_offset)
+        self.offsets = future_offsets(self.max_offset)
 
     def check_serving(self, *, num_layers: int | None = None, num_kv_heads: int | None = None,
                       head_dim: int | None = None) -> None:

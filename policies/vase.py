@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from .base import KEYS, QUERIES, VALUES, EvictionContext, PolicyError, SelectionPolicy, top_per_row
+from .base import KEYS, QUERIES, VALUES, EvictionContext, PolicyError, SelectionPolicy
 from .registry import register
+from .scoring import top_per_row
 from .snapkv import SnapKVPolicy
 
 
@@ -21,6 +24,7 @@ def sample_per_row(weights: Tensor, counts: Tensor, eligible: Tensor, generator:
 
 
 @register
+@dataclass(kw_only=True, eq=False, repr=False)
 class VaSEPolicy(SelectionPolicy, SnapKVPolicy):
     """Per KV head: protected candidates first (they count toward K); then the n_large unprotected ones
     with the largest value range max_j v_ij − min_j v_ij; the remaining K − protected − n_large are drawn
@@ -34,17 +38,17 @@ class VaSEPolicy(SelectionPolicy, SnapKVPolicy):
     name = "vase"
     needs = frozenset({KEYS, VALUES, QUERIES})
 
-    def __init__(self, *, large_fraction: float = 0.25, n_large: int | None = None, **kw) -> None:
-        super().__init__(**kw)
-        if not 0.0 <= large_fraction < 1.0:
-            raise PolicyError(f"large_fraction must be in [0, 1), got {large_fraction}")
-        if n_large is not None and n_large < 0:
-            raise PolicyError(f"n_large must be >= 0, got {n_large}")
-        self.large_fraction = float(large_fraction)
-        self.n_large = None if n_large is None else int(n_large)
+    large_fraction: float = 0.25
+    n_large: int | None = None
 
-    def params(self) -> dict:
-        return {**super().params(), "large_fraction": self.large_fraction, "n_large": self.n_large}
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.large_fraction < 1.0:
+            raise PolicyError(f"large_fraction must be in [0, 1), got {self.large_fraction}")
+        if self.n_large is not None and self.n_large < 0:
+            raise PolicyError(f"n_large must be >= 0, got {self.n_large}")
+        self.large_fraction = float(self.large_fraction)
+        self.n_large = None if self.n_large is None else int(self.n_large)
 
     def large_count(self, budget: int) -> int:
         n = int(budget * self.large_fraction) if self.n_large is None else self.n_large

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import Tensor
 
 from .base import EvictionContext, EvictionPolicy
@@ -9,6 +11,7 @@ from .registry import register
 
 
 @register
+@dataclass(kw_only=True, eq=False, repr=False)
 class RecencyPolicy(EvictionPolicy):
     """Keep the prompt and fill the budget with the most recent candidates (paper §5.1)."""
 
@@ -20,6 +23,7 @@ class RecencyPolicy(EvictionPolicy):
 
 
 @register
+@dataclass(kw_only=True, eq=False, repr=False)
 class StreamingPolicy(RecencyPolicy):
     """StreamingLLM: attention sinks plus the most recent candidates."""
 

@@ -19,6 +19,12 @@ DEFAULT_PROMPTS = [
 ]
 
 
+def demo_prompts(n: int) -> list[str]:
+    """n chat prompts: the defaults, then numbered variants of them."""
+    return [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] + (f" (variant {i})" if i >= len(DEFAULT_PROMPTS) else "")
+            for i in range(n)]
+
+
 def run_demo(*, model: str | None = None, budget: int | None = 64, buffer: int = 16, policy: str = "random",
              batch_size: int = 4, response_length: int = 256, prompt_length: int = 128, temperature: float = 1.0,
              kv_cache_bytes: int = 64 << 20, num_cpus: int | None = None, echo=print) -> dict[str, Any]:
@@ -35,8 +41,7 @@ def run_demo(*, model: str | None = None, budget: int | None = 64, buffer: int =
                                       response_length=response_length, kv_cache_bytes=kv_cache_bytes,
                                       temperature=temperature, max_num_seqs=max(batch_size, 4))
     config = compose_config(overrides)
-    prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] + (f" (variant {i})" if i >= len(DEFAULT_PROMPTS) else "")
-               for i in range(batch_size)]
+    prompts = demo_prompts(batch_size)
     t0 = time.perf_counter()
     started = init_local_ray(num_cpus=num_cpus)
     rollout = None

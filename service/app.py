@@ -25,13 +25,16 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
-def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, local_ray: bool = False):
+def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, local_ray: bool = False,
+               vllm_kwargs: dict[str, Any] | None = None, stream_interval_ms: float = 200):
+    """Ray Serve LLM's config of one engine; vllm_kwargs: eng.engine_kwargs resolved (sizing.py)."""
     from ray.serve.llm import LLMConfig
 
     from kvtier.engine.api import engine_kwargs
 
     kwargs = engine_kwargs(eviction=eng.eviction, kv_cache_bytes=eng.kv_cache_bytes, max_model_len=eng.max_model_len,
-                           worker_extension_cls=WORKER_EXTENSION, **eng.engine_kwargs)
+                           worker_extension_cls=WORKER_EXTENSION,
+                           **(eng.engine_kwargs if vllm_kwargs is None else vllm_kwargs))
     env = {**ENGINE_ENV, **(LOCAL_RAY_ENV if local_ray else {}), **eng.runtime_env.get("env_vars", {})}
     extra: dict[str, Any] = {}
     if eng.accelerator == "cpu":
@@ -48,6 +51,9 @@ def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, loc
         callback_config={"callback_class": "kvtier.service.engine_server.LocalModelCallback"},
         runtime_env={**eng.runtime_env, "env_vars": env},
         log_engine_metrics=True,
+        # kvtier coalesces stream chunks itself (first chunk at once, engine_server.coalesce); Ray Serve
+        # LLM's own batcher would hold the first chunk for a whole interval
+        experimental_configs={"stream_batching_interval_ms": 0, "kvtier_stream_interval_ms": stream_interval_ms},
         **extra,
     )
 
@@ -66,10 +72,13 @@ def build_application(cfg: ServiceConfig, local_ray: bool = False):
 
     from .engine_server import KVTierLLMServer
     from .router import KVTierRouter
+    from .sizing import resolved_engine_kwargs
 
     model_paths = {name: resolve_model_path(eng.model) for name, eng in cfg.engines.items()}
     engines = {
-        name: build_llm_deployment(llm_config(name, eng, cfg.model_id(name), model_paths[name], local_ray),
+        name: build_llm_deployment(llm_config(name, eng, cfg.model_id(name), model_paths[name], local_ray,
+                                              resolved_engine_kwargs(cfg, name, model_paths[name])[0],
+                                              cfg.server.stream_interval_ms),
                                    deployment_cls=KVTierLLMServer,
                                    override_serve_options={"name": deployment_name(name)})
         for name, eng in cfg.engines.items()

@@ -30,6 +30,7 @@ def model_tiny(
 # dependencies (torch, vLLM, Ray, verl) only inside the commands.
 COMMAND_MODULES = (
     "kvtier.benchmarks.cli",     # kvtier bench rounds|throughput|capacity|compaction
+    "kvtier.benchmarks.serve_cli",  # kvtier bench serve
     "kvtier.engine.cli",         # kvtier generate
     "kvtier.service.serve_cli",  # kvtier serve
     "kvtier.rollout.cli",        # kvtier rollout ...

@@ -149,6 +149,9 @@ class ServerConfig(_Model):
     load_poll_s: float = Field(default=1.0, gt=0)   # how often the router reads engine load
     request_timeout_s: float = Field(default=600, gt=0)
     router_replicas: int = Field(default=1, ge=1)
+    # Streams: the first chunk goes out at once, later ones are coalesced and sent at most every
+    # stream_interval_ms (each send is one Ray object per hop: engine -> router -> proxy). 0: every chunk.
+    stream_interval_ms: float = Field(default=200, ge=0, le=5000)
 
 
 class ServiceConfig(_Model):

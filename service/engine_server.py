@@ -56,8 +56,11 @@ class LoadTracker:
         self.by_engine: dict[int, tuple[int, int, float]] = {}   # engine index -> (running, waiting, kv usage)
         self.updated_at = 0.0
         self.steps = 0
+        self.preemptions = 0   # vLLM's own count (IterationStats), since the engine started
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if iteration_stats is not None:
+            self.preemptions += iteration_stats.num_preempted_reqs
         if scheduler_stats is None:
             return
         waiting = scheduler_stats.num_waiting_reqs + getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
@@ -115,7 +118,7 @@ class KVTierVLLMEngine(VLLMEngine):
             "running": sum(r for r, _, _ in engines), "waiting": sum(w for _, w, _ in engines),
             "kv_usage": 1.0 - free / total if total else 0.0, "total_blocks": total, "free_blocks": free,
             "block_size": cache.block_size, "updated_at": t.updated_at, "age_s": round(now - t.updated_at, 3),
-            "steps": t.steps,
+            "steps": t.steps, "preemptions": t.preemptions,
             # requests the frontend has sent to the engine core and not seen finish (a cross-check)
             "in_flight": len(getattr(processor, "request_states", ())) if processor is not None else None,
             "errored": bool(getattr(self._engine_client, "errored", False)), "node_id": self.node_id,
@@ -147,7 +150,8 @@ class KVTierLLMServer(LLMServer):
         started = False
         try:
             stream = await (self.chat(request) if kind == "chat" else self.completions(request))
-            async for item in stream:
+            interval = self._llm_config.experimental_configs.get("kvtier_stream_interval_ms", 0) / 1000
+            async for item in coalesce(stream, interval) if request.stream and interval > 0 else stream:
                 yield _plain(item)
                 started = True
         except (ValueError, TypeError, VLLMClientError) as exc:  # vLLM's input checks, incl. kvtier's
@@ -204,6 +208,48 @@ class KVTierLLMServer(LLMServer):
     async def kvtier_eviction_stats(self, request_ids: list[str] | None = None) -> dict | None:
         results = await self.engine._engine_client.collective_rpc("kvtier_eviction_stats", args=(request_ids,))
         return results[0] if results else None
+
+
+async def coalesce(stream: AsyncIterator[Any], interval_s: float) -> AsyncIterator[list]:
+    """The stream's items as lists: the first item alone and at once (time to first token is the engine's),
+    then everything that arrived since, at most once per interval_s, and the rest as soon as the stream
+    ends. A reader task drains the engine's stream meanwhile, so a slow consumer never slows the engine's
+    output handler."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def read() -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait(item)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(end)
+
+    reader = asyncio.ensure_future(read())
+    loop = asyncio.get_running_loop()
+    try:
+        first, sent_at = True, loop.time()
+        while True:
+            batch = [await queue.get()]
+            if not first:   # wait out the interval (or the stream's end: the last tokens never wait)
+                await asyncio.wait({reader}, timeout=max(0.0, sent_at + interval_s - loop.time()))
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            done = any(x is end for x in batch)
+            error = next((x for x in batch if isinstance(x, BaseException)), None)
+            flat = [y for x in batch if x is not end and not isinstance(x, BaseException)
+                    for y in (x if isinstance(x, list) else [x])]
+            if flat:
+                yield flat
+            if error is not None:
+                raise error
+            first, sent_at = False, loop.time()
+            if done:
+                return
+    finally:
+        reader.cancel()
 
 
 def _plain(item: Any) -> str | dict[str, Any]:

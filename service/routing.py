@@ -73,6 +73,7 @@ def aggregate_loads(replicas: dict[str, dict]) -> dict:
         "waiting_per_replica": waiting / len(loads) if loads else 0.0,
         "total_blocks": total, "free_blocks": free, "kv_usage": (total - free) / total if total else 0.0,
         "in_flight": sum(int(x.get("in_flight") or 0) for x in loads),
+        "preemptions": sum(int(x.get("preemptions") or 0) for x in loads),
         "block_size": loads[0].get("block_size") if loads else None,
         "errored": any(x.get("errored") for x in loads),
     }

@@ -61,6 +61,13 @@ def serve_command(
     for t in cfg.tiers:
         budget = "full attention" if not t.compressed else f"K={t.budget} r={t.buffer} policy={t.policy}"
         typer.echo(f"  tier {t.name:<12} engine {t.engine:<10} {budget}{'' if t.auto else ' (explicit only)'}")
+    for name, eng in cfg.engines.items():
+        from .app import resolve_model_path
+        from .sizing import resolved_engine_kwargs
+
+        kwargs, why = resolved_engine_kwargs(cfg, name, resolve_model_path(eng.model))
+        typer.echo(f"  engine {name:<10} max_num_seqs {kwargs.get('max_num_seqs', 'vLLM default')}"
+                   + (f" ({why})" if why else ""))
     if cfg.open_mode:
         typer.echo("kvtier serve: OPEN MODE - no API keys configured; anyone who can reach the port may use every tier")
     stop_event = threading.Event()

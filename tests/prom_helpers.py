@@ -42,9 +42,17 @@ def settled(prom, expr: str, quiet_s: float = 4, timeout: float = 60) -> float:
     raise AssertionError(f"{expr} did not settle in {timeout} s")
 
 
-def empty_panel_queries(prom, queries) -> list[tuple[str, str]]:
-    """(title, expanded expr) of every query that returns no series (a PromQL error raises)."""
-    return [(title, expand(expr)) for title, expr in queries if not prom.query(expand(expr))]
+def empty_panel_queries(prom, queries, timeout: float = 60) -> list[tuple[str, str]]:
+    """(title, expanded expr) of every query that still returns no series after `timeout` s (a PromQL error
+    raises). Polled: a rate() has data only from a counter's second scraped sample, and Ray and Serve
+    export some counters (preemptions, HTTP errors) only on their 10 s cadence after the first event."""
+    t0 = time.time()
+    while True:
+        empty = [(title, expand(expr)) for title, expr in queries if not prom.query(expand(expr))]
+        if not empty or time.time() - t0 >= timeout:
+            return empty
+        queries = [(t, e) for t, e in queries if (t, expand(e)) in empty]
+        time.sleep(2)
 
 
 def wait_deltas(prom, before: dict[str, float], expected: dict[str, float], timeout: float = 60) -> None:

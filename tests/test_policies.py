@@ -156,6 +156,27 @@ def test_snapkv_reproduces_its_formula():
     assert torch.allclose(make_policy("snapkv", window=2, kernel=1).score(ctx)[0], expect)
 
 
+def test_snapkv_window_queries_are_causal():
+    """Two window queries (the two newest tokens) and two buffer keys (the newest is the last query's own
+    token): the older query does not see the newest buffer key, as in the model and kvpress. With q = 1
+    and d = 1 the softmax weights are the exp(key)s: candidates [1,2,4,1,8,1], buffer [3, 5]."""
+    ctx = EvictionContext(
+        positions=torch.arange(6).unsqueeze(0), budget=2, prompt_len=0,
+        keys=torch.log(torch.tensor([1.0, 2.0, 4.0, 1.0, 8.0, 1.0])).view(1, 6, 1),
+        queries=torch.ones(1, 2, 1), buffer_keys=torch.log(torch.tensor([3.0, 5.0])).view(1, 2, 1),
+    )
+    w = torch.tensor([[1, 2, 4, 1, 8, 1]])
+    pol = make_policy("snapkv", window=2, kernel=1, sinks=0)
+    assert torch.allclose(pol.score(ctx), w / 20.0 + w / 25.0)  # older query: 17 + 3; newest: 17 + 3 + 5
+    ctx.query_position = 7  # candidates 0-5, buffer 6-7: positions add nothing when the window fits the buffer
+    assert torch.allclose(pol.score(ctx), w / 20.0 + w / 25.0)
+    # A window longer than the buffer: queries at 4..7 (buffer 6, 7). The query at 4 sees candidates 0-4,
+    # the one at 5 candidates 0-5, then 6 adds buffer key 6 and 7 everything.
+    ctx.queries = torch.ones(1, 4, 1)
+    expect = (w.masked_fill(torch.arange(6) > 4, 0) / 16.0 + w / 17.0 + w / 20.0 + w / 25.0)
+    assert torch.allclose(make_policy("snapkv", window=4, kernel=1, sinks=0).score(ctx), expect)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(budget=0), "budget"),
     (dict(budget=-3), "budget"),
@@ -212,3 +233,84 @@ def test_sample_distinct_is_uniform_over_subsets():
     # the dense fallback (k > n/4) returns valid subsets too
     d = sample_distinct(100, 10, 5, torch.Generator().manual_seed(0), "cpu")
     assert all(len(set(r)) == 5 for r in d.tolist())
+
+
+# -- policies are dataclasses ---------------------------------------------------------------------
+# params() of every registered policy at its defaults, keys in order (what the hand-written params()
+# returned before policies became dataclasses).
+DEFAULT_PARAMS = {
+    "random": {"protect_prompt": True, "sinks": 0},
+    "random_shared": {"protect_prompt": True, "sinks": 0},
+    "random_block": {"protect_prompt": True, "sinks": 0, "block": 16},
+    "recency": {"protect_prompt": True, "sinks": 0},
+    "streaming": {"protect_prompt": False, "sinks": 4},
+    "h2o": {"protect_prompt": False, "sinks": 4},
+    "snapkv": {"protect_prompt": False, "sinks": 4, "window": 8, "kernel": 7},
+    "rkv": {"protect_prompt": False, "sinks": 4, "window": 8, "kernel": 7, "mix_lambda": 0.5},
+    "vase": {"protect_prompt": False, "sinks": 4, "window": 8, "kernel": 7, "large_fraction": 0.25, "n_large": None},
+    "diverse": {"protect_prompt": False, "sinks": 4, "window": 8, "profile": "global", "a1": (0.0,),
+                "a2": (math.asinh(-0.15),), "pool_factor": 4, "layer": None, "num_layers": None},
+    "triattention": {"protect_prompt": True, "sinks": 0, "layer": None, "max_offset": 65536},
+}
+
+
+def test_every_policy_is_a_dataclass_whose_fields_are_its_params():
+    import dataclasses
+
+    assert set(DEFAULT_PARAMS) == set(available())
+    for name, want in DEFAULT_PARAMS.items():
+        pol = make_policy(name)
+        assert dataclasses.is_dataclass(pol)
+        assert list(pol.params().items()) == list(want.items()), name
+        names = [f.name for f in dataclasses.fields(pol)]
+        assert [n for n in names if n in want] == list(want), name  # params() follows field order
+        assert set(names) - set(want) <= {"protect_prefix", "calibration"}, name
+        assert repr(pol) == f"{type(pol).__name__}({', '.join(f'{k}={v!r}' for k, v in want.items())})"
+        assert {pol: 1}[pol] == 1 and pol != make_policy(name)  # identity equality: hashable, as before
+        with pytest.raises(TypeError):
+            type(pol)(True)  # keyword-only, as the hand-written constructors were
+    assert repr(make_policy("snapkv")) == "SnapKVPolicy(protect_prompt=False, sinks=4, window=8, kernel=7)"
+
+
+def test_policy_fields_are_validated_and_normalised_on_construction_and_replace():
+    import dataclasses
+
+    pol = make_policy("snapkv", window=4.0, kernel=3, protect_prefix=16, sinks=2)
+    assert pol.params() == {"protect_prompt": True, "sinks": 2, "protect_prefix": 16, "window": 4, "kernel": 3}
+    assert type(pol.window) is int
+    assert make_policy("diverse", a1=[0.5]).a1 == (0.5,)  # JSON lists become tuples
+    assert make_policy("random_block", block=8).params()["block"] == 8
+    other = dataclasses.replace(pol, kernel=5)
+    assert other.params() == {**pol.params(), "kernel": 5} and pol.kernel == 3
+    with pytest.raises(PolicyError, match="kernel"):
+        dataclasses.replace(pol, kernel=4)
+    with pytest.raises(PolicyError, match="protect_prefix"):
+        make_policy("random", protect_prefix=4, protect_prompt=False)
+    with pytest.raises(PolicyError, match="sinks"):
+        make_policy("h2o", sinks=-1)
+    with pytest.raises(PolicyError, match="bad parameters for policy 'snapkv'"):
+        make_policy("snapkv", mix_lambda=0.5)
+
+
+def test_a_plain_subclass_with_its_own_init_still_works():
+    """Like evaluation/probes.py's PinnedRandomPolicy: not a dataclass, own __init__ and params()."""
+    from kvtier.policies import EvictionPolicy
+
+    class Pinned(EvictionPolicy):
+        name = "_pinned"
+        default_protect_prompt = False
+
+        def __init__(self, facts, **kw):
+            super().__init__(**kw)
+            self.facts = list(facts)
+
+        def params(self):
+            return {**super().params(), "facts": self.facts}
+
+        def score(self, ctx):
+            return ctx.positions.float()
+
+    pol = Pinned([(1, 2)], sinks=3)
+    assert pol.params() == {"protect_prompt": False, "sinks": 3, "facts": [(1, 2)]}
+    assert repr(pol) == "Pinned(protect_prompt=False, sinks=3, facts=[(1, 2)])"
+    assert pol.keep(make_ctx()).shape == (2, 16)

@@ -139,6 +139,20 @@ def test_rkv_mixes_unit_mean_snapkv_with_redundancy(lam):
         build("rkv", mix_lambda=1.5)
 
 
+def test_rkv_redundancy_counts_the_buffer_keys():
+    """c̄ runs over every other cached key, the recent buffer's included (paper: 1/(N-1) Σ_{j≠i} over the
+    cached keys; R-KV's cal_similarity covers its observation window too). Buffer key (0, 1): cos 0 with
+    k0, k1, 1 with k2, 1/sqrt2 with k3; N = 5."""
+    ctx = rkv_ctx()
+    ctx.buffer_keys = torch.tensor([[[0.0, 1.0]]])
+    expect = torch.tensor([[(1 + R2) / 4, (1 + R2) / 4, (1 + R2) / 4, 4 * R2 / 4]])
+    assert torch.allclose(mean_key_cosine(ctx.keys, ctx.buffer_keys), expect, atol=1e-6)
+    pol = build("rkv", mix_lambda=0.0, sinks=0)
+    assert torch.allclose(pol.score(ctx), 1 - expect, atol=1e-6)
+    ctx.budget = 3
+    assert pol.keep(ctx).tolist() == [[0, 1, 2]]
+
+
 # -- VaSE -------------------------------------------------------------------------------------------
 def vase_ctx(H, K, seed=0):
     """Per head identical: S=10, value range of candidate i = ranges[i], candidates 0,1 are sinks."""
@@ -411,3 +425,76 @@ def test_triattention_scores_a_tensor_parallel_slice_of_heads_with_their_calibra
     assert torch.equal(policy.score(part), policy.score(full)[2:])
     with pytest.raises(PolicyError, match="do not fit"):
         policy.score(replace(part, extras={**part.extras, "kv_heads": torch.tensor([3, 4])}))
+
+
+# -- window attention: causal, and any query strides ---------------------------------------------------
+def window_scores(pol, ctx):
+    return pol.base_score(ctx, 0.5) if pol.name == "diverse" else pol.score(ctx)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "rkv", "vase", "diverse"])
+@pytest.mark.parametrize("layout", ["window_slice", "transposed"])
+@pytest.mark.parametrize("with_buffer", [False, True])
+def test_window_scores_take_noncontiguous_float32_queries(name, layout, with_buffer):
+    """The reference engine stores fp32 queries and hands a slice of its longer store; with GQA (here 2
+    query heads per KV head) the policy's window slice is not contiguous and .float() does not copy fp32.
+    Scores and keep-sets must equal those of the contiguous copy exactly."""
+    def ctx_with(queries):
+        ctx = make_ctx(w=12)
+        ctx.queries = queries
+        if with_buffer:
+            ctx.buffer_keys = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(5))
+        return ctx
+
+    stored = make_ctx(w=12).queries  # [4, 12, 8] fp32; the policies read the last 8 (window=8)
+    if layout == "window_slice":
+        strided, dense = stored, stored[:, -8:].contiguous()
+        assert not strided[:, -8:].is_contiguous()
+    else:  # a [w, H_q, d] store read as [H_q, w, d]
+        strided = stored[:, -8:].transpose(0, 1).contiguous().transpose(0, 1)
+        dense = stored[:, -8:].contiguous()
+        assert not strided.is_contiguous() and torch.equal(strided, dense)
+    assert strided.dtype == torch.float32
+    pol = build(name, window=8)
+    assert torch.equal(window_scores(pol, ctx_with(strided)), window_scores(pol, ctx_with(dense)))
+    assert torch.equal(pol.keep(ctx_with(strided)), pol.keep(ctx_with(dense)))
+
+
+def causal_reference(keys, positions, buffer_keys, queries, query_position, causal=True):
+    """[H, S] Σ over the window of each query's causal softmax attention on the candidates, averaged over
+    the query group: the model's own attention, token by token, in float64 (causal=False: every key)."""
+    H, S, d = keys.shape
+    r, (Hq, w, _) = buffer_keys.shape[1], queries.shape
+    group = Hq // H
+    out = torch.zeros(H, S, dtype=torch.float64)
+    for h in range(H):
+        k = torch.cat([keys[h], buffer_keys[h]]).double()
+        pos = torch.cat([positions[h], torch.arange(query_position - r + 1, query_position + 1)])
+        for g in range(group):
+            for i in range(w):
+                t = query_position - (w - 1 - i)
+                logits = k @ queries[h * group + g, i].double() / math.sqrt(d)
+                if causal:
+                    logits = logits.masked_fill(pos > t, float("-inf"))
+                out[h] += torch.softmax(logits, dim=0)[:S] / group
+    return out
+
+
+@pytest.mark.parametrize("w, r, with_position", [(6, 8, False), (6, 8, True), (8, 8, True), (8, 3, True)])
+def test_snapkv_window_attention_equals_the_causal_model_attention(w, r, with_position):
+    """Against a token-by-token causal softmax: window queries never see a newer buffer key, and (window
+    longer than the buffer, query_position given) never a newer candidate."""
+    g = torch.Generator().manual_seed(1)
+    H, Hq, d, S = 2, 4, 8, 30
+    qp = 100
+    # candidates: distinct positions below the buffer, the newest just below it so w > r reaches them
+    positions = torch.stack([torch.cat([torch.randperm(qp - r - 6, generator=g)[: S - 5].sort().values,
+                                        torch.arange(qp - r - 5, qp - r)]) for _ in range(H)])
+    ctx = EvictionContext(positions=positions, budget=10, prompt_len=0, keys=torch.randn(H, S, d, generator=g),
+                          buffer_keys=torch.randn(H, r, d, generator=g), queries=2 * torch.randn(Hq, w, d, generator=g),
+                          query_position=qp if with_position else None)
+    got = build("snapkv", window=w, kernel=1).score(ctx)
+    want = causal_reference(ctx.keys, positions, ctx.buffer_keys, ctx.queries, qp)
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5)
+    old = causal_reference(ctx.keys, positions, ctx.buffer_keys, ctx.queries, qp, causal=False)
+    assert not torch.allclose(got.double(), old, rtol=1e-3, atol=1e-4), "the mask must matter in this example"

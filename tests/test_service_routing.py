@@ -288,3 +288,73 @@ def test_example_request_is_a_valid_openai_chat_call():
     body = json.loads(cmd[cmd.index("-d") + 1])
     assert cmd[3].endswith("/v1/chat/completions") and body["model"] == "tiny-qwen3" and body["messages"]
     assert "Authorization: Bearer $KEY" in cmd
+
+
+# -- max_num_seqs: auto ----------------------------------------------------------------------------------
+def test_auto_max_num_seqs_fills_the_pool_with_the_smallest_tiers_bound():
+    from kvtier.models.tiny import ensure_tiny_model
+    from kvtier.service.sizing import auto_max_num_seqs, kv_bytes_per_token, resolved_engine_kwargs
+
+    path = str(ensure_tiny_model())
+    assert kv_bytes_per_token(path) == 4 * 2 * 64 * 2 * 2          # layers * KV heads * head_dim * (K, V) * bf16
+    local = load_config(CONFIGS / "local.yaml")
+    assert local.engines["cpu"].engine_kwargs["max_num_seqs"] == "auto"
+    kwargs, why = resolved_engine_kwargs(local, "cpu", path)
+    # 64 MiB / 256 KiB per 128-token block = 256 blocks; k128 (r=32): prompt <= 64 + 128 + 64 = 2 blocks
+    assert kwargs["max_num_seqs"] == 128 and "256 blocks" in why and kwargs["enforce_eager"] is True
+    # the smallest *auto* compressed tier decides; `lab` (explicit only) does not
+    cfg = make_cfg(engines={"cpu": {"model": "tiny", "max_model_len": 4096, "kv_cache_bytes": "64MiB",
+                                    "engine_kwargs": {"max_num_seqs": "auto"}}})
+    # small: K=256 r=64 -> 128 + 256 + 128 = 512 tokens = 4 blocks -> 64
+    assert auto_max_num_seqs(cfg, "cpu", path)[0] == 64
+    assert resolved_engine_kwargs(cfg, "cpu", path)[0]["max_num_seqs"] == 64
+    # no fixed pool: vLLM's default; a number is left alone
+    cfg = make_cfg(engines={"cpu": {"model": "tiny", "max_model_len": 4096, "engine_kwargs": {"max_num_seqs": "auto"}}})
+    assert "max_num_seqs" not in resolved_engine_kwargs(cfg, "cpu", path)[0]
+    cfg = make_cfg(engines={"cpu": {"model": "tiny", "max_model_len": 4096, "kv_cache_bytes": "8GiB",
+                                    "engine_kwargs": {"max_num_seqs": 16}}})
+    assert resolved_engine_kwargs(cfg, "cpu", path) == ({"max_num_seqs": 16}, None)
+    cfg = make_cfg(engines={"cpu": {"model": "tiny", "max_model_len": 4096, "kv_cache_bytes": "8GiB",
+                                    "engine_kwargs": {"max_num_seqs": "auto"}}})
+    assert auto_max_num_seqs(cfg, "cpu", path)[0] == 256                 # capped at vLLM's GPU default
+
+
+# -- stream coalescing (engine_server.coalesce) ------------------------------------------------------------
+def test_coalesce_sends_the_first_chunk_at_once_then_batches_per_interval():
+    import asyncio
+
+    pytest.importorskip("ray.llm")
+    from kvtier.service.engine_server import coalesce
+
+    async def engine(n, gap_s, fail_at=None):
+        for i in range(n):
+            if i == fail_at:
+                raise ValueError("engine said no")
+            yield [f"c{i}"]          # Ray Serve LLM's own batcher (interval 0) wraps each chunk in a list
+            await asyncio.sleep(gap_s)
+
+    async def collect(stream):
+        loop, out = asyncio.get_running_loop(), []
+        t0 = loop.time()
+        async for batch in stream:
+            out.append((round(loop.time() - t0, 2), batch))
+        return out
+
+    got = asyncio.run(collect(coalesce(engine(12, 0.01), 0.05)))
+    assert got[0] == (0.0, ["c0"])                                   # TTFT is the engine's
+    assert [c for _, b in got for c in b] == [f"c{i}" for i in range(12)]   # nothing lost, order kept
+    assert 2 <= len(got) <= 5                                        # ~0.12 s of chunks at 0.05 s
+    middle = got[1:-1]                                                # the last batch leaves at the end
+    assert all(b - a >= 0.04 for (a, _), (b, _) in zip(middle, middle[1:]))
+    # the end of the stream does not wait out the interval: the last tokens leave at once
+    got = asyncio.run(collect(coalesce(engine(3, 0.01), 1.0)))
+    assert [b for _, b in got] == [["c0"], ["c1", "c2"]] and got[-1][0] < 0.3
+    # an engine error arrives after the chunks before it
+    async def failing():
+        out = []
+        try:
+            async for batch in coalesce(engine(5, 0.0, fail_at=3), 0.05):
+                out += batch
+        except ValueError as exc:
+            return out, str(exc)
+    assert asyncio.run(failing()) == (["c0", "c1", "c2"], "engine said no")

@@ -1,0 +1,216 @@
+"""`kvtier bench serve`: kvtier side by side with what users run today, driven by vLLM's own serving
+benchmark (`vllm.benchmarks.serve`, its Python entry: `add_cli_args` + `main`).
+
+Arms (servers.py; every engine gets the same model, KV bytes, max_model_len and max_num_seqs):
+  stock   vLLM's OpenAI server            rayllm  Ray Serve LLM's `build_openai_app`
+  full    kvtier serve, tier forced to `full` (the tier header)
+  auto    kvtier serve, kvtier's routing (no header)
+`full` and `auto` are two benchmarks against one kvtier server. Workloads: `short` (fits the pool) and `long`
+(KV-bound long generation). Per arm: output tok/s, TTFT and TPOT (mean, p99), preemptions (vLLM's own
+count), failed requests, CPU seconds per 1,000 generated tokens outside the engine core (the cost of the
+serving path) and each arm's ratio to `stock` in the same run. `--runs N` repeats everything (the machine
+is noisy); ratios are per run, targets are checked per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from .servers import EngineSettings, ServerProcess, prometheus_sum, start_kvtier, start_rayllm, start_stock
+
+ARMS = ("stock", "rayllm", "full", "auto")
+# the processes a request's tokens pass through besides the engine core (servers.process_group); Ray's own
+# daemons (raylet, GCS, agents) are reported in cpu_s but not counted: they run whether or not tokens flow
+SERVING_PATH = ("proxy", "router", "engine_frontend")
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: int
+    input_len: int
+    output_len: int
+    concurrency: int
+
+
+def bench_args(settings: EngineSettings, server: ServerProcess, w: Workload, headers: dict[str, str],
+               seed: int) -> argparse.Namespace:
+    """vLLM's serving benchmark, as `vllm bench serve` would be called on the command line."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = ["--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
+            "--model", settings.model_id, "--tokenizer", settings.model_path,
+            "--dataset-name", "random", "--random-input-len", str(w.input_len),
+            "--random-output-len", str(w.output_len), "--random-range-ratio", "0",
+            "--num-prompts", str(w.prompts), "--max-concurrency", str(w.concurrency), "--ignore-eos",
+            "--temperature", "0", "--seed", str(seed), "--num-warmups", "2", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "99"]
+    if headers:
+        argv += ["--header", *(f"{k}={v}" for k, v in headers.items())]
+    return parser.parse_args(argv)
+
+
+def counters(arm: str, server: ServerProcess) -> tuple[float | None, float | None]:
+    """(preemptions, eviction events) so far: vLLM's own preemption count (stock: its /metrics; kvtier: its
+    engines' load; rayllm: Ray's metrics export, which lags up to 10 s) and kvtier's applied eviction events
+    (None where there is no kvtier engine)."""
+    if arm == "stock":
+        return prometheus_sum(server.url + "/metrics", "vllm:num_preemptions_total"), None
+    if arm in ("full", "auto"):
+        engines = httpx.get(server.url + "/v1/kvtier/stats", params={"eviction": "true"}, timeout=30).json()["engines"]
+        return (float(sum(e.get("preemptions", 0) for e in engines.values())),
+                float(sum((e.get("eviction") or {}).get("events", 0) for e in engines.values())))
+    time.sleep(12)
+    return prometheus_sum(server.metrics_url, "ray_vllm_num_preemptions_total"), None
+
+
+def _delta(after: float | None, before: float | None) -> float | None:
+    return None if after is None else after - (before or 0.0)
+
+
+def run_one(arm: str, server: ServerProcess, settings: EngineSettings, w: Workload, seed: int) -> dict:
+    from vllm.benchmarks.serve import main as vllm_bench
+
+    headers = {"x-kvtier-tier": "full"} if arm == "full" else {}
+    before = counters(arm, server)
+    before_cpu = server.cpu_seconds()   # CPU is sampled right around the benchmark, not the metric reads
+    with contextlib.redirect_stdout(io.StringIO()):   # its report table; the numbers come back as a dict
+        r = vllm_bench(bench_args(settings, server, w, headers, seed))
+    after_cpu = server.cpu_seconds()
+    after = counters(arm, server)
+    cpu = {g: round(after_cpu.get(g, 0.0) - before_cpu.get(g, 0.0), 2) for g in after_cpu}
+    tokens = max(int(r["total_output_tokens"]), 1)
+    serving_cpu = sum(cpu.get(g, 0.0) for g in SERVING_PATH)
+    return {
+        "tok_per_s": round(r["output_throughput"], 1), "ttft_ms": round(r["mean_ttft_ms"], 1),
+        "ttft_p99_ms": round(r["p99_ttft_ms"], 1), "tpot_ms": round(r["mean_tpot_ms"], 2),
+        "tpot_p99_ms": round(r["p99_tpot_ms"], 2), "completed": r["completed"], "failed": r["failed"],
+        "output_tokens": r["total_output_tokens"], "seconds": round(r["duration"], 1),
+        "preemptions": _delta(after[0], before[0]), "eviction_events": _delta(after[1], before[1]),
+        "cpu_s": cpu, "serving_cpu_s_per_1k_tokens": round(1000 * serving_cpu / tokens, 3),
+        "engine_core_cpu_s_per_1k_tokens": round(1000 * cpu.get("engine_core", 0.0) / tokens, 3),
+    }
+
+
+def kvtier_config(base: dict, settings: EngineSettings) -> dict:
+    """The service config the kvtier arms run: `base` (configs/local.yaml) with the shared engine settings."""
+    cfg = json.loads(json.dumps(base))
+    (name, eng), = cfg["engines"].items()
+    eng.update(kv_cache_bytes=settings.kv_cache_bytes, max_model_len=settings.max_model_len, model_id=settings.model_id)
+    eng.setdefault("engine_kwargs", {}).update(max_num_seqs=settings.max_num_seqs, enforce_eager=True)
+    cfg.setdefault("server", {}).pop("port", None)
+    return cfg
+
+
+def one_run(arms: list[str], settings: EngineSettings, config: dict, workloads: dict[str, Workload],
+            workdir: Path, seed: int, log) -> dict:
+    results: dict[str, dict] = {name: {} for name in workloads}
+    servers = [("stock", ["stock"]), ("rayllm", ["rayllm"]), ("kvtier", [a for a in ("full", "auto")])]
+    for kind, served in servers:
+        served = [a for a in served if a in arms]
+        if not served:
+            continue
+        server = (start_stock(settings, workdir) if kind == "stock" else start_rayllm(settings, workdir)
+                  if kind == "rayllm" else start_kvtier("kvtier", kvtier_config(config, settings), workdir))
+        try:
+            log(f"{kind}: ready after {server.wait_ready(settings.model_id):.0f} s")
+            for wname, w in workloads.items():
+                for arm in served:
+                    results[wname][arm] = res = run_one(arm, server, settings, w, seed)
+                    log(f"{wname:>5} {arm:>6}: {res['tok_per_s']:8.1f} tok/s  TPOT {res['tpot_ms']:6.2f} ms  "
+                        f"preemptions {res['preemptions']}  failed {res['failed']}  "
+                        f"serving CPU {res['serving_cpu_s_per_1k_tokens']} s/1k tok")
+        finally:
+            server.stop()
+    for arms_of in results.values():
+        stock = arms_of.get("stock")
+        for res in arms_of.values():
+            if stock:
+                res["ratio_to_stock"] = round(res["tok_per_s"] / stock["tok_per_s"], 3)
+                res["tpot_ratio_to_stock"] = round(res["tpot_ms"] / stock["tpot_ms"], 3)
+    return results
+
+
+def targets(run: dict) -> dict:
+    """The issue's targets, for one run: full >= 0.95x stock with mean TPOT within 5% (every workload);
+    auto >= 2x stock on `long`, with 0 preemptions and 0 failed."""
+    out = {}
+    for wname, arms in run.items():
+        full = arms.get("full")
+        if full and "ratio_to_stock" in full:
+            out[f"{wname}.full"] = full["ratio_to_stock"] >= 0.95 and full["tpot_ratio_to_stock"] <= 1.05
+    auto = run.get("long", {}).get("auto")
+    if auto and "ratio_to_stock" in auto:
+        out["long.auto"] = auto["ratio_to_stock"] >= 2.0 and auto["preemptions"] == 0 and auto["failed"] == 0
+    return out
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per workload and arm: the median of every number over the runs, and each run's values."""
+    out: dict[str, dict] = {}
+    for wname in runs[0]:
+        arms = {}
+        for arm in runs[0][wname]:
+            per_run = [r[wname][arm] for r in runs]
+            keys = [k for k, v in per_run[0].items() if isinstance(v, (int, float)) and v is not None]
+            arms[arm] = {k: statistics.median(p[k] for p in per_run if p.get(k) is not None) for k in keys}
+            groups = {g for p in per_run for g in p["cpu_s"]}
+            arms[arm]["cpu_s"] = {g: statistics.median(p["cpu_s"].get(g, 0.0) for p in per_run) for g in groups}
+            arms[arm]["runs"] = per_run
+        out[wname] = {"arms": arms}
+    return out
+
+
+def run_serve_bench(settings: EngineSettings, config: dict, workloads: dict[str, Workload], arms: list[str],
+                    runs: int, workdir: Path, seed: int = 0, log=print) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    per_run = []
+    for i in range(runs):
+        log(f"run {i + 1}/{runs}")
+        per_run.append(one_run(arms, settings, config, workloads, workdir, seed, log))
+    checks = [targets(r) for r in per_run]
+    return {"settings": asdict(settings), "workloads_spec": {k: asdict(w) for k, w in workloads.items()},
+            "runs": runs, "workloads": summarize(per_run), "targets_per_run": checks,
+            "targets_met_in_every_run": bool(checks) and all(all(c.values()) for c in checks)}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, wname in zip(axes[0], names):
+        arms = result["workloads"][wname]["arms"]
+        labels = list(arms)
+        med = [arms[a]["tok_per_s"] for a in labels]
+        lo = [m - min(r["tok_per_s"] for r in arms[a]["runs"]) for a, m in zip(labels, med)]
+        hi = [max(r["tok_per_s"] for r in arms[a]["runs"]) - m for a, m in zip(labels, med)]
+        bars = ax.bar(labels, med, yerr=[lo, hi], capsize=4, color=["#888", "#aaa", "#4a90d9", "#2e7d32"][:len(labels)])
+        for bar, a in zip(bars, labels):
+            ratio = arms[a].get("ratio_to_stock")
+            if ratio is not None:
+                ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=9)
+        spec = result["workloads_spec"][wname]
+        ax.set_title(f"{wname}: {spec['prompts']} x ({spec['input_len']}+{spec['output_len']}) tok, "
+                     f"concurrency {spec['concurrency']}", fontsize=9)
+        ax.set_ylabel("output tok/s (median of runs; bars: min-max)")
+    fig.suptitle(f"kvtier bench serve ({result['runs']} runs, max_num_seqs {result['settings']['max_num_seqs']}, "
+                 f"KV {result['settings']['kv_cache_bytes'] >> 20} MiB)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,72 @@
+"""`kvtier bench serve`: kvtier vs stock vLLM's and Ray Serve LLM's OpenAI servers (benchmarks/serve.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    @bench_app.command("serve")
+    def bench_serve(
+        config: Optional[Path] = typer.Option(None, "--config", "-c", help="Service YAML whose (single) engine "
+                                              "every arm copies (default: configs/local.yaml)."),
+        arms: str = typer.Option("stock,rayllm,full,auto", help="Comma-separated: stock, rayllm, full, auto."),
+        workloads: str = typer.Option("short,long", help="Comma-separated: short, long."),
+        runs: int = typer.Option(1, help="Repeat every arm and workload (ratios and targets per run)."),
+        kv_cache_bytes: Optional[str] = typer.Option(None, "--kv-cache-bytes", help="Override the engine's KV pool (e.g. 32MiB)."),
+        max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Override (default: the config's, `auto` resolved)."),
+        max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Override the engine's max_model_len."),
+        short: str = typer.Option("64x64x128@16", help="short workload: PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
+        long: str = typer.Option("32x64x3000@32", help="long workload: PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
+        out: Optional[Path] = typer.Option(None, help="Write the JSON here too."),
+        plot: Optional[Path] = typer.Option(None, help="Write a PNG bar chart here."),
+        workdir: Path = typer.Option(Path("artifacts/bench-serve"), help="Server logs and configs."),
+    ) -> None:
+        """vLLM's serving benchmark against stock vLLM, Ray Serve LLM and kvtier (tier full, and auto
+        routing) on the same engine settings; prints JSON (tok/s, TTFT, TPOT, preemptions, failed, serving
+        CPU per 1k tokens, ratios to stock)."""
+        from kvtier.benchmarks.serve import Workload, plot as draw, run_serve_bench
+        from kvtier.benchmarks.servers import EngineSettings
+        from kvtier.service.app import resolve_model_path
+        from kvtier.service.config import DEFAULT_CONFIG, load_config, parse_bytes
+        from kvtier.service.sizing import resolved_engine_kwargs
+
+        cfg = load_config(config or DEFAULT_CONFIG)
+        if len(cfg.engines) != 1:
+            raise typer.BadParameter("the config must have exactly one engine (every arm copies it)", param_hint="--config")
+        (name, eng), = cfg.engines.items()
+        if kv_cache_bytes is not None:
+            eng.kv_cache_bytes = parse_bytes(kv_cache_bytes)
+        if max_model_len is not None:
+            eng.max_model_len = max_model_len
+        path = resolve_model_path(eng.model)
+        seqs = max_num_seqs or resolved_engine_kwargs(cfg, name, path)[0].get("max_num_seqs")
+        if eng.kv_cache_bytes is None or seqs is None:
+            raise typer.BadParameter("the engine needs kv_cache_bytes and max_num_seqs (or auto) so every arm gets the same")
+        settings = EngineSettings(model_path=path, model_id=cfg.model_id(name), kv_cache_bytes=eng.kv_cache_bytes,
+                                  max_model_len=eng.max_model_len, max_num_seqs=int(seqs))
+        specs = {"short": short, "long": long}
+        chosen = {}
+        for w in workloads.split(","):
+            try:
+                counts, conc = specs[w].split("@")
+                p, i, o = (int(x) for x in counts.split("x"))
+                chosen[w] = Workload(prompts=p, input_len=i, output_len=o, concurrency=int(conc))
+            except (KeyError, ValueError):
+                raise typer.BadParameter(f"workload {w!r}: expected short|long as PROMPTSxINPUTxOUTPUT@CONCURRENCY") from None
+        bad = set(arms.split(",")) - {"stock", "rayllm", "full", "auto"}
+        if bad:
+            raise typer.BadParameter(f"unknown arms {sorted(bad)}", param_hint="--arms")
+        result = run_serve_bench(settings, cfg.model_dump(mode="json"), chosen, arms.split(","), runs, workdir,
+                                 log=lambda m: typer.echo(m, err=True))
+        text = json.dumps(result, indent=2)
+        typer.echo(text)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text + "\n")
+        if plot is not None:
+            draw(result, plot)

@@ -1,0 +1,59 @@
+"""`max_num_seqs: auto`: a batch limit sized so the bounded tiers can use the memory their bound frees.
+
+A fixed cap (vLLM's CPU default, or the 16 the first local config had) wastes a compressed engine: a request
+in tier t never holds more than prompt + K + 2r tokens (the router admits a prompt only up to
+(1 - min_trace_share) * K, and a round runs at K + 2r), so the pool holds total_blocks / that many blocks of
+such requests at once. `auto` sets max_num_seqs to that count for the engine's smallest-budget auto tier
+(capped at MAX_AUTO_SEQS), so memory, not the batch cap, is the limit. Full-attention requests on the same
+engine are still bounded by the pool: vLLM admits them only while their blocks fit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .config import ServiceConfig
+
+MAX_AUTO_SEQS = 256            # vLLM's own default batch limit on a GPU
+CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16   # vLLM 0.31's default block sizes per platform
+
+
+def kv_bytes_per_token(model_path: str, dtype_bytes: int = 2) -> int:
+    """K and V of one token over all layers, from the model's config.json (bfloat16 unless told)."""
+    hf = json.loads((Path(model_path) / "config.json").read_text())
+    hf = hf.get("text_config", hf)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads", hf["num_attention_heads"])
+    return hf["num_hidden_layers"] * kv_heads * head_dim * 2 * dtype_bytes
+
+
+def auto_max_num_seqs(cfg: ServiceConfig, engine: str, model_path: str) -> tuple[int | None, str]:
+    """(max_num_seqs, why) for an engine whose engine_kwargs say `max_num_seqs: auto`; (None, why) leaves
+    vLLM's default (no fixed KV size to divide, or no compressed tier)."""
+    eng = cfg.engines[engine]
+    tiers = sorted((t for t in cfg.tiers if t.engine == engine and t.compressed and t.auto), key=lambda t: t.budget)
+    if eng.kv_cache_bytes is None or not tiers:
+        return None, "vLLM's default (no kv_cache_bytes or no compressed auto tier to size from)"
+    block = int(eng.engine_kwargs.get("block_size") or (CPU_BLOCK_SIZE if eng.accelerator == "cpu" else GPU_BLOCK_SIZE))
+    total_blocks = eng.kv_cache_bytes // (kv_bytes_per_token(model_path) * block)
+    t = tiers[0]
+    bound = int((1.0 - cfg.routing.min_trace_share) * t.budget) + t.budget + 2 * t.buffer
+    per_request = math.ceil(bound / block)
+    seqs = max(1, min(MAX_AUTO_SEQS, total_blocks // per_request))
+    return seqs, (f"{total_blocks} blocks of {block} tokens / {per_request} per {t.name} request "
+                  f"(prompt <= {bound - t.budget - 2 * t.buffer} + K {t.budget} + 2r {2 * t.buffer})"
+                  + (f", capped at {MAX_AUTO_SEQS}" if seqs == MAX_AUTO_SEQS else ""))
+
+
+def resolved_engine_kwargs(cfg: ServiceConfig, engine: str, model_path: str) -> tuple[dict, str | None]:
+    """The engine's vLLM kwargs with `max_num_seqs: auto` replaced (and the reason, for the start-up log)."""
+    kwargs = dict(cfg.engines[engine].engine_kwargs)
+    if kwargs.get("max_num_seqs") != "auto":
+        return kwargs, None
+    seqs, why = auto_max_num_seqs(cfg, engine, model_path)
+    kwargs.pop("max_num_seqs")
+    if seqs is not None:
+        kwargs["max_num_seqs"] = seqs
+    return kwargs, f"max_num_seqs auto = {seqs if seqs is not None else 'vLLM default'}: {why}"

@@ -1,0 +1,41 @@
+"""`kvtier bench serve` end to end at a tiny size: stock vLLM's OpenAI server and kvtier serve (tier `full`
+by header, and kvtier's routing) driven by vLLM's own serving benchmark, on a pool too small for the
+stock server (it must preempt) but not for the compressed tier (it must evict instead). No timing is
+asserted: speed claims come from the benchmark runs (benchmarks/results/serve-*.json)."""
+
+import json
+
+import pytest
+
+from test_benchmarks import run_json
+
+pytest.importorskip("vllm")
+pytest.importorskip("ray.serve")
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+PROMPTS, OUTPUT = 6, 300
+
+
+def test_bench_serve_stock_vs_kvtier(tmp_path):
+    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    # 4 MiB = 16 blocks of 128 tokens: 6 x (32 + 300) tokens need 18 blocks at the end under full attention;
+    # tier k128 (r=32) holds at most 32 + 128 + 64 tokens = 2 blocks per request
+    r = run_json(["bench", "serve", "--arms", "stock,full,auto", "--workloads", "long",
+                  "--long", f"{PROMPTS}x32x{OUTPUT}@{PROMPTS}", "--kv-cache-bytes", "4MiB", "--max-model-len", "1024",
+                  "--workdir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)])
+    assert json.loads(out.read_text()) == r and plot.stat().st_size > 1000
+    assert r["settings"]["max_num_seqs"] == 8            # `auto`: 16 blocks / 2 per k128 request
+    arms = r["workloads"]["long"]["arms"]
+    assert set(arms) == {"stock", "full", "auto"}
+    for name, arm in arms.items():
+        assert arm["completed"] == PROMPTS and arm["failed"] == 0, (name, arm)
+        assert arm["output_tokens"] == PROMPTS * OUTPUT, (name, arm)
+        assert arm["tok_per_s"] > 0 and arm["tpot_ms"] > 0 and arm["ttft_p99_ms"] >= arm["ttft_ms"] * 0.5
+        assert arm["cpu_s"]["engine_core"] > 0 and arm["serving_cpu_s_per_1k_tokens"] > 0, arm["cpu_s"]
+        assert len(arm["runs"]) == 1
+    assert arms["stock"]["ratio_to_stock"] == 1.0
+    assert arms["stock"]["preemptions"] > 0                                # the pool is too small for stock
+    assert arms["full"]["preemptions"] > 0 and arms["full"]["eviction_events"] == 0
+    assert arms["auto"]["preemptions"] == 0 and arms["auto"]["eviction_events"] > 0   # evicted, not preempted
+    assert {"proxy", "router", "engine_frontend"} <= set(arms["auto"]["cpu_s"])
+    assert set(r["targets_per_run"][0]) == {"long.full", "long.auto"}
