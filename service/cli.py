@@ -36,6 +36,7 @@ COMMAND_MODULES = (
     "kvtier.rollout.cli",        # kvtier rollout ...
     "kvtier.evaluation.cli",     # kvtier eval ...
     "kvtier.observability.cli",  # kvtier dashboards export|push
+    "kvtier.service.k8s_config",  # kvtier k8s serve-config
 )
 
 

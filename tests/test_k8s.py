@@ -205,6 +205,64 @@ def test_serve_config_is_the_overlay_file(target):
     assert one(objs, "ConfigMap", "kvtier-serve-config")["data"]["serveConfigV2"] == text
 
 
+# -- generated args (kvtier k8s serve-config) -----------------------------------------------------------
+def test_every_overlay_declares_the_source_of_its_serve_config():
+    from kvtier.service import k8s_config
+
+    on_disk = {p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists()}
+    assert set(k8s_config.load_overlays(REPO)) == set(OVERLAYS) == on_disk
+    for ov in k8s_config.load_overlays(REPO).values():
+        assert ov.source.parts[0] == "configs" and (REPO / ov.source).is_file(), ov
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_args_are_generated_from_their_source(overlay):
+    """The committed args are the declared configs/*.yaml plus the overlay's overrides, nothing else."""
+    import difflib
+
+    from kvtier.service import k8s_config
+
+    ov = k8s_config.load_overlays(REPO)[overlay]
+    current, generated = k8s_config.render(ov, REPO)
+    assert current == generated, (
+        f"{ov.serve_config(REPO)} drifted from {ov.source} + {k8s_config.SOURCES}; run "
+        f"`kvtier k8s serve-config --overlay {overlay}`:\n"
+        + "".join(difflib.unified_diff(current.splitlines(True), generated.splitlines(True), "committed", "generated")))
+    assert serve_config(overlay)["applications"][0]["args"] == k8s_config.generate_args(ov, REPO)
+
+
+def test_serve_config_check_catches_drift_and_stale_overrides(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtier.service import k8s_config
+    from kvtier.service.cli import app
+
+    result = CliRunner().invoke(app, ["k8s", "serve-config", "--check"])
+    assert result.exit_code == 0, result.output
+
+    for rel in [k8s_config.SOURCES, *(p.relative_to(REPO) for p in (REPO / "configs").glob("*.yaml")),
+                *(p.relative_to(REPO) for p in K8S.glob("overlays/*/serve-config.yaml"))]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / rel, tmp_path / rel)
+    assert k8s_config.stale(tmp_path) == []
+
+    gpu = tmp_path / "configs" / "gpu.yaml"
+    gpu.write_text(gpu.read_text().replace("budget: 2048", "budget: 2560"))
+    assert [ov.name for ov, _, _ in k8s_config.stale(tmp_path)] == ["gpu"]
+
+    # an override equal to the source, or deleting a key it lacks, is refused (it would hide a drift)
+    local = tmp_path / "configs" / "local.yaml"
+    local.write_text(local.read_text().replace("host: 127.0.0.1", "host: 0.0.0.0"))
+    with pytest.raises(k8s_config.K8sConfigError, match=r"server\.host"):
+        k8s_config.stale(tmp_path, ["cpu-dev"])
+    ov = k8s_config.load_overlays(tmp_path)["gpu"]
+    with pytest.raises(k8s_config.K8sConfigError, match="does not have"):
+        k8s_config.generate_args(k8s_config.Overlay("gpu", ov.source, {"server": {"num_cpus": None}}), tmp_path)
+    with pytest.raises(k8s_config.K8sConfigError, match="Secret"):
+        k8s_config.generate_args(k8s_config.Overlay("gpu", ov.source, {"tenants": {"apps": {"api_keys": ["k"]}}}),
+                                 tmp_path)
+
+
 def _builder():
     module, _, attr = IMPORT_PATH.partition(":")
     return getattr(importlib.import_module(module), attr)
