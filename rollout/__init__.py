@@ -9,6 +9,8 @@ Modules (nothing is imported here; verl and vLLM load only when a module is used
   `worker_ext` (vLLM worker extension: eviction counters, weight loading);
 * `settings` — `rollout.custom.kvtier` / `rollout.engine_kwargs.kvtier` -> engine arguments;
 * `metrics` — per-sample eviction columns in the output DataProto and their reduction for logging;
+* `sample_counters` — a sample's counters over all of its generate calls (multi-turn, resumed partial
+  rollouts), added up in kvtier's agent-loop workers;
 * `trainer_hooks` — verl's trainer hooks kvtier uses: `KVTierAgentLoopManager`
   (`rollout.agent.agent_loop_manager_class`: validation at `custom.kvtier.val_budget`, eviction metrics in
   the v0 trainer's logged metrics) and the `kvtier_<mode>` v1 trainers (eviction metrics under `use_v1`);

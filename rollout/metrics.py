@@ -1,29 +1,35 @@
 """Per-sample eviction statistics in verl's rollout output, and their reduction for the trainer's logger.
 
-The kvtier server puts one value per sample into `TokenOutput.extra_fields`; verl's agent loop
-(`AgentLoopWorker._postprocess`) turns every extra field into a column of the output
+The kvtier server puts its counters into `TokenOutput.extra_fields`, once per generate call; kvtier's
+agent-loop workers add up the calls of each sample (every turn of a multi-turn agent loop, every attempt of a
+resumed partial rollout: `kvtier.rollout.sample_counters`) and put the totals into the sample's output;
+verl's agent loop (`AgentLoopWorker._postprocess`) turns every extra field into a column of the output
 `DataProto.non_tensor_batch`, so after `generate_sequences` the batch carries:
 
 | column | meaning |
 | --- | --- |
-| `kvtier_eviction_events` | eviction rounds applied to the sample |
-| `kvtier_tokens_evicted` | tokens evicted per KV head (every head evicts the same count) |
-| `kvtier_peak_kv_blocks` | most KV blocks the sample held at once |
-| `kvtier_preemptions` | times vLLM preempted (and recomputed) the sample |
-| `kvtier_budget` | the budget K it ran with (None: full attention; counters are None too) |
-| `kvtier_request_id` | vLLM's internal request id (the key of the audit log, if one is written) |
+| `kvtier_eviction_events` | eviction rounds applied to the sample (sum over its generate calls) |
+| `kvtier_tokens_evicted` | tokens evicted per KV head (every head evicts the same count; sum) |
+| `kvtier_peak_kv_blocks` | most KV blocks one generate call of the sample held at once (max) |
+| `kvtier_preemptions` | times vLLM preempted (and recomputed) the sample (sum) |
+| `kvtier_budget` | the budget K it ran with (None: full attention; counters are None too), first call |
+| `kvtier_request_id` | vLLM's internal request id of the first call (the key of the audit log, if written) |
+| `kvtier_protect_prefix` | the prompt prefix the server protected in the first call (None: the whole prompt) |
+| `kvtier_generate_calls` | generate calls counted (turns, plus resumed attempts of partial rollouts) |
 
-`eviction_metrics(batch)` reduces them to scalars (`rollout/kvtier/<column>/mean|max` and
-`rollout/kvtier/compressed_fraction`). How they reach the trainer's logged metrics (see
+`eviction_metrics(batch)` reduces them to scalars (`rollout/kvtier/<column>/mean|max` over the compressed
+samples, `rollout/kvtier/generate_calls/mean|max` over all, and `rollout/kvtier/compressed_fraction`). How they reach the trainer's logged metrics (see
 `kvtier.rollout.trainer_hooks`): with `trainer.use_v1=false`, `KVTierAgentLoopManager` adds them to the
 generated batch's `meta_info["timing"]`, which verl's `RayPPOTrainer` merges into the step's timing and
 logs as `timing_s/rollout/kvtier/...` (as it does with its own `agent_loop/num_preempted/*`); with
 `use_v1=true` the per-sample values travel inside each sample's `extra_fields` in the TransferQueue and the
 `kvtier_<mode>` trainers reduce them with `eviction_metrics_from_fields` (logged as `rollout/kvtier/...`).
 
-Multi-turn agent loops keep the first turn's `extra_fields` only (verl's `ToolAgentLoop`), and verl's
-`FullyAsyncLLMServerClient` rebuilds the output of a resumed partial rollout without them: for those
-samples the counters describe the first generate call (or are missing, and count as not compressed).
+Without kvtier's agent-loop workers (verl's own `AgentLoopManager`) the counters describe the first generate
+call of a multi-turn sample (verl's `ToolAgentLoop` keeps the first turn's `extra_fields`), and verl's
+`FullyAsyncLLMServerClient` (its async v1 trainers) drops them from every sample (no kvtier metrics at all);
+`kvtier_generate_calls` is missing then. See `kvtier.rollout.sample_counters` for why the sum is
+taken in the agent-loop worker, not in verl's merges or the server.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 COLUMNS = ("kvtier_eviction_events", "kvtier_tokens_evicted", "kvtier_peak_kv_blocks", "kvtier_preemptions")
+CALLS = "kvtier_generate_calls"
 
 
 def per_sample_stats(batch) -> list[dict]:
@@ -49,12 +56,13 @@ def per_sample_stats(batch) -> list[dict]:
 
 
 def eviction_metrics(batch, prefix: str = "rollout/kvtier") -> dict[str, float]:
-    """mean/max of every kvtier column over the compressed samples, plus the compressed fraction."""
+    """mean/max of every kvtier column over the compressed samples (generate calls: over all samples), plus
+    the compressed fraction."""
     nt = batch.non_tensor_batch
     if "kvtier_budget" not in nt:
         return {}
     n = len(nt["kvtier_budget"])
-    rows = [{key: (nt[key][i] if key in nt else None) for key in ("kvtier_budget",) + COLUMNS} for i in range(n)]
+    rows = [{key: (nt[key][i] if key in nt else None) for key in ("kvtier_budget", CALLS) + COLUMNS} for i in range(n)]
     return eviction_metrics_from_fields(rows, prefix)
 
 
@@ -74,4 +82,8 @@ def eviction_metrics_from_fields(fields, prefix: str = "rollout/kvtier") -> dict
             name = key.removeprefix("kvtier_")
             out[f"{prefix}/{name}/mean"] = float(vals.mean())
             out[f"{prefix}/{name}/max"] = float(vals.max())
+    calls = np.array([float(r[CALLS]) for r in rows if r.get(CALLS) is not None])   # all samples, compressed or not
+    if len(calls):
+        out[f"{prefix}/generate_calls/mean"] = float(calls.mean())
+        out[f"{prefix}/generate_calls/max"] = float(calls.max())
     return out

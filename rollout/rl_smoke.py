@@ -13,6 +13,17 @@ the rollout put to sleep and woken every step. What kvtier adds, all through ver
 * `trainer.v1.trainer_mode=kvtier_sync` + `rollout.agent.agent_loop_manager_class=KVTierAgentLoopManager`
   (`kvtier.rollout.trainer_hooks`): kvtier's eviction metrics in the trainer's logged metrics.
 
+`--trainer v0` runs verl's other trainer instead, `trainer.use_v1=false` (`main_ppo_v0.TaskRunner` ->
+`RayPPOTrainer`, DataProto batches, no TransferQueue), same hybrid engine, workers, weight sync and sleep/wake:
+kvtier's eviction metrics reach it through `KVTierAgentLoopManager` (the batch's `meta_info["timing"]`) and
+are logged as `timing_s/rollout/kvtier/...`; `trainer.v1.trainer_mode` is not set. Obstacles met running it
+on CPU: none beyond the v1 run's. Both trainers build the same `ActorRolloutRefWorker` (FSDP2 engine, hence
+the same `cpu_platform` patches and config), `LLMServerManager` (hybrid `KVTierReplica`) and
+`CheckpointEngineManager` (naive sync, sleep/wake), so the v0 run needed only `trainer.use_v1=false`. What
+differs in its output: verl warns that `main_ppo_v0`/`RayPPOTrainer` are deprecated (still in 0.9.1); it
+logs no `training/off_policy/trajectory_staleness/*` (`rollout_weights_staleness` is null); the kvtier
+metrics carry the `timing_s/` prefix (`step_record` reads them by trainer).
+
 Metrics come from verl's `file` logger backend (`VERL_FILE_LOGGER_PATH`, one JSON line per step); the command
 prints one JSON line per step and a final summary.
 """
@@ -32,9 +43,12 @@ import typer
 
 EXTERNAL_MODULES = "kvtier.rollout.cpu_platform,kvtier.rollout.verl_plugin,kvtier.rollout.rl_smoke_hooks"
 TRAINER_MODE = "kvtier_sync"
+TRAINERS = ("v1", "v0")
 IS_MEAN = "rollout_corr/rollout_is_mean"
-EVICTION_MEAN = "rollout/kvtier/eviction_events/mean"
-COMPRESSED = "rollout/kvtier/compressed_fraction"
+KVTIER_METRICS = "rollout/kvtier/"
+# where each trainer logs kvtier's eviction metrics: the v1 `kvtier_<mode>` trainers under their own name,
+# verl's v0 RayPPOTrainer as step timing (`timing_s/<name>`, see kvtier.rollout.trainer_hooks)
+METRIC_PREFIX = {"v1": "", "v0": "timing_s/"}
 
 PROMPTS = [
     "Let x = 42. What is x times seven? Think step by step before answering.",
@@ -76,7 +90,7 @@ def write_dataset(directory: Path, n: int) -> tuple[Path, Path]:
 
 def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, batch_size: int, n: int,
               prompt_length: int, response_length: int, budget: int, buffer: int, kv_cache_mb: int, lr: float,
-              env_vars: dict[str, str]) -> list[str]:
+              env_vars: dict[str, str], trainer: str = "v1") -> list[str]:
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     samples = batch_size * n
     out = [
@@ -120,8 +134,9 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         f"{r}.custom.kvtier.buffer={buffer}",
         f"{r}.custom.kvtier.kv_cache_bytes={kv_cache_mb << 20}",
         f"++{r}.agent.agent_loop_manager_class=kvtier.rollout.trainer_hooks.KVTierAgentLoopManager",
-        # trainer: verl's default v1 trainer, sync mode with kvtier's eviction metrics; CPU "device"
+        # trainer: verl's default v1 trainer (sync mode with kvtier's eviction metrics) or v0's RayPPOTrainer
         "trainer.device=cpu",
+        f"trainer.use_v1={str(trainer == 'v1').lower()}",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
         f"trainer.total_training_steps={steps}",
@@ -133,8 +148,8 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         "trainer.project_name=kvtier_rl_smoke",
         "trainer.experiment_name=grpo_cpu",
         f"trainer.default_local_dir={workdir / 'checkpoints'}",
-        f"trainer.v1.trainer_mode={TRAINER_MODE}",
-        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        *([f"trainer.v1.trainer_mode={TRAINER_MODE}", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"]
+          if trainer == "v1" else []),
         # Ray: logical CPUs for verl's placement groups, one logical GPU (verl's pools count only GPU/NPU)
         "+ray_kwargs.ray_init.num_cpus=16",
         "+ray_kwargs.ray_init.num_gpus=1",
@@ -155,10 +170,11 @@ def _float(x: Any) -> float | None:
     return v
 
 
-def step_record(step: int, data: dict, events: list[dict], samples: int) -> dict:
+def step_record(step: int, data: dict, events: list[dict], samples: int, trainer: str = "v1") -> dict:
     """One JSON line for a trainer step from its logged metrics and the hooks' events so far."""
-    ev_mean = _float(data.get(EVICTION_MEAN))
-    compressed = _float(data.get(COMPRESSED))
+    kv = METRIC_PREFIX[trainer] + KVTIER_METRICS
+    ev_mean = _float(data.get(kv + "eviction_events/mean"))
+    compressed = _float(data.get(kv + "compressed_fraction"))
     total = None
     if ev_mean is not None:
         total = int(round(ev_mean * (compressed if compressed is not None else 1.0) * samples))
@@ -172,7 +188,9 @@ def step_record(step: int, data: dict, events: list[dict], samples: int) -> dict
         "step": step,
         "eviction_events": total,
         "eviction_events_mean": ev_mean,
-        "tokens_evicted_mean": _float(data.get("rollout/kvtier/tokens_evicted/mean")),
+        "tokens_evicted_mean": _float(data.get(kv + "tokens_evicted/mean")),
+        "generate_calls_mean": _float(data.get(kv + "generate_calls/mean")),   # per sample: 1 single-turn
+        "kvtier_metrics": sorted(k for k in data if KVTIER_METRICS in k),
         "rollout_is_mean": _float(data.get(IS_MEAN)),
         "rollout_is_max": _float(data.get("rollout_corr/rollout_is_max")),
         "mismatch": mismatch,
@@ -202,9 +220,11 @@ def _read_jsonl(path: Path) -> list[dict]:
 def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None = None, batch_size: int = 4,
               n: int = 2, prompt_length: int = 64, response_length: int = 200, budget: int = 64, buffer: int = 16,
               kv_cache_mb: int = 64, lr: float = 1e-3, check_tokens: int = 16, timeout: float = 1800,
-              echo=print, extra_overrides: list[str] | None = None) -> dict:
+              echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1") -> dict:
     import tempfile
 
+    if trainer not in TRAINERS:
+        raise ValueError(f"trainer must be one of {TRAINERS}, not {trainer!r}")
     from kvtier.models.tiny import ensure_tiny_model
     from kvtier.rollout.rl_smoke_hooks import CHECK_ENV, EVENTS_ENV
     from kvtier.rollout.verl_config import CONFIG_DIR, GRPO_CONFIG
@@ -228,7 +248,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     }
     args = overrides(model=model, train=train, val=val, workdir=work, steps=steps, batch_size=batch_size, n=n,
                      prompt_length=prompt_length, response_length=response_length, budget=budget, buffer=buffer,
-                     kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()})
+                     kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()}, trainer=trainer)
     args += list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIG_DIR}",
            f"--config-name={GRPO_CONFIG}", *args]
@@ -249,7 +269,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
                     if step in printed or "training/global_step" not in data:
                         continue
                     printed.add(step)
-                    rec = step_record(step, data, _read_events(events_path), samples)
+                    rec = step_record(step, data, _read_events(events_path), samples, trainer)
                     records.append(rec)
                     echo(json.dumps(rec))
                 if rc is not None:
@@ -270,6 +290,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     syncs = [e for e in events if e.get("event") == "update_weights"]
     checks = [e for e in events if e.get("event") == "logprob_check"]
     summary = {
+        "trainer": trainer,
         "steps": len(records),
         "eviction_events": sum(r["eviction_events"] or 0 for r in records),
         "weights_versions": [e.get("global_steps") for e in syncs],
@@ -325,12 +346,16 @@ def smoke(
     lr: float = typer.Option(1e-3, help="Actor learning rate (large enough that each sync changes the weights)."),
     check_tokens: int = typer.Option(16, help="Tokens of the post-sync log-prob check (0: skip it)."),
     timeout: float = typer.Option(1800, help="Seconds before the trainer is stopped."),
+    trainer: str = typer.Option("v1", help="v1: verl's default trainer (trainer.use_v1=true, TransferQueue, "
+                                "kvtier_sync mode); v0: its RayPPOTrainer (trainer.use_v1=false, DataProto)."),
 ) -> None:
-    """Run verl's `main_ppo` (GRPO, hybrid engine, v1 trainer) on kvtier rollouts on CPU; one JSON line per
-    step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
+    """Run verl's `main_ppo` (GRPO, hybrid engine, v1 or v0 trainer) on kvtier rollouts on CPU; one JSON line
+    per step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
+    if trainer not in TRAINERS:
+        raise typer.BadParameter(f"--trainer must be one of {', '.join(TRAINERS)}")
     result = run_smoke(steps=steps, model=model, workdir=workdir, batch_size=batch_size, n=n,
                        response_length=response_length, budget=budget, buffer=buffer, lr=lr,
-                       check_tokens=check_tokens, timeout=timeout, echo=typer.echo)
+                       check_tokens=check_tokens, timeout=timeout, echo=typer.echo, trainer=trainer)
     s = result["summary"]
     versions = s["weights_versions"]
     ok = (s["returncode"] == 0 and s["steps"] == steps

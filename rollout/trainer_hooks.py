@@ -7,6 +7,8 @@ kvtier.rollout.trainer_hooks.KVTierAgentLoopManager`; both trainers read this ke
 * validation at `rollout.custom.kvtier.val_budget` (default: full attention). verl flags validation only
   inside its agent-loop workers (`trajectory["validate"]`), not in the sampling params a server receives;
   kvtier's workers add `kvtier_budget` to the sampling params of validation trajectories.
+* per-sample counters over every generate call of a sample (each turn of a multi-turn agent loop, each
+  attempt of a resumed partial rollout), which verl's own merges drop (`kvtier.rollout.sample_counters`);
 * `trainer.use_v1=false`: the eviction metrics of each generated batch (`metrics.eviction_metrics`) go into
   the output's `meta_info["timing"]`, which `RayPPOTrainer.fit` merges into the step's `timing_raw`; verl
   logs every entry there as `timing_s/<name>` (it does the same with its own `agent_loop/num_preempted/*`),
@@ -36,6 +38,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopW
 from verl.utils.ray_utils import auto_await
 
 from .metrics import eviction_metrics, eviction_metrics_from_fields
+from .sample_counters import apply_totals, counting, counting_client
 from .settings import KVTierRolloutSettings
 
 logger = logging.getLogger("kvtier.rollout")
@@ -51,10 +54,15 @@ def validation_args(config) -> dict[str, Any]:
     return KVTierRolloutSettings.from_rollout_config(rollout).validation_request_args()
 
 
-class _ValidationBudget:
-    """Mixin for verl's agent-loop workers: validation trajectories get `val_budget`. Both verl workers
-    (`AgentLoopWorker`, `AgentLoopWorkerTQ`) call `_run_agent_loop(sampling_params, trajectory, ...)` once
-    per trajectory with the dict they pass on to the agent loop (and from there to the server)."""
+class _KVTierWorker:
+    """Mixin for verl's agent-loop workers (`AgentLoopWorker`, `AgentLoopWorkerTQ`); both call
+    `_run_agent_loop(sampling_params, trajectory, ...)` once per trajectory, in its own asyncio task, with the
+    dict they pass on to the agent loop (and from there to the server), and `_agent_loop_postprocess(output,
+    ...)` inside it before the output becomes a batch row.
+
+    * validation trajectories get `val_budget` in their sampling params;
+    * the eviction counters of every generate call of the trajectory (each turn, each resumed attempt) are
+      added up into its output's `extra_fields` (`kvtier.rollout.sample_counters`)."""
 
     async def _run_agent_loop(self, sampling_params, trajectory, *args, **kwargs):
         if trajectory.get("validate"):
@@ -62,10 +70,16 @@ class _ValidationBudget:
                 self._kvtier_val_args = validation_args(self.config)
             if self._kvtier_val_args:
                 sampling_params = {**sampling_params, **self._kvtier_val_args}
-        return await super()._run_agent_loop(sampling_params, trajectory, *args, **kwargs)
+        self.llm_client = counting_client(getattr(self, "llm_client", None))
+        with counting():
+            return await super()._run_agent_loop(sampling_params, trajectory, *args, **kwargs)
+
+    async def _agent_loop_postprocess(self, output, *args, **kwargs):
+        apply_totals(output)
+        return await super()._agent_loop_postprocess(output, *args, **kwargs)
 
 
-class KVTierAgentLoopWorker(_ValidationBudget, AgentLoopWorker):
+class KVTierAgentLoopWorker(_KVTierWorker, AgentLoopWorker):
     pass
 
 
@@ -123,7 +137,7 @@ def v1_manager_class():
 
         worker_base = getattr(AgentLoopWorkerTQ, "__ray_actor_class__", AgentLoopWorkerTQ)   # it is @ray.remote
 
-        class KVTierAgentLoopWorkerTQ(_ValidationBudget, worker_base):
+        class KVTierAgentLoopWorkerTQ(_KVTierWorker, worker_base):
             pass
 
         class KVTierAgentLoopManagerTQ(AgentLoopManagerTQ):

@@ -8,6 +8,10 @@ rollout-vs-old mismatch) finite; kvtier's eviction metrics in the trainer's logg
 from the FSDP actor to the kvtier engine at start-up and after every step (versions strictly increasing,
 each step's rollout generated on the newest weights); a sleep and a wake-up of the rollout every step; and,
 after every sync, the engine's full-attention log-probs matching transformers on the weights just sent.
+
+A second run, `kvtier rl smoke --steps 2 --trainer v0`, does the same with verl's v0 trainer
+(`trainer.use_v1=false`: RayPPOTrainer, DataProto): kvtier's eviction metrics logged as
+`timing_s/rollout/kvtier/...`, eviction in every step, rollout-correction metrics, weights synced every step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ pytest.importorskip("transfer_queue")
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 
 STEPS = 3
+V0_STEPS = 2
 # engine (bf16 kernels) vs transformers (fp32) on the same weights: the tolerance tests/test_rollout.py uses
 LOGPROB_TOL = 0.06
 
@@ -38,13 +43,11 @@ def _kvtier_cmd() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "kvtier.service.cli"]
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    work = tmp_path_factory.mktemp("rl-smoke")
+def _run_smoke(work: Path, steps: int, *args: str) -> dict:
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)   # conftest's in-process engines: not for this run
-    proc = subprocess.run([*_kvtier_cmd(), "rl", "smoke", "--steps", str(STEPS), "--workdir", str(work),
-                           "--timeout", "1400"], capture_output=True, text=True, env=env, timeout=1600)
+    proc = subprocess.run([*_kvtier_cmd(), "rl", "smoke", "--steps", str(steps), "--workdir", str(work),
+                           "--timeout", "1400", *args], capture_output=True, text=True, env=env, timeout=1600)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     log = work / "main_ppo.log"
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:]) if log.exists() else ""
@@ -53,12 +56,26 @@ def smoke(tmp_path_factory):
     return {"steps": lines[:-1], "summary": lines[-1], "workdir": work}
 
 
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    return _run_smoke(tmp_path_factory.mktemp("rl-smoke"), STEPS)
+
+
+@pytest.fixture(scope="module")
+def smoke_v0(tmp_path_factory):
+    """verl's v0 trainer (`trainer.use_v1=false`: RayPPOTrainer, DataProto, hybrid engine), 2 steps."""
+    return _run_smoke(tmp_path_factory.mktemp("rl-smoke-v0"), V0_STEPS, "--trainer", "v0")
+
+
 def test_three_grpo_steps_with_eviction(smoke):
     steps, summary = smoke["steps"], smoke["summary"]
     assert summary["steps"] == STEPS and [s["step"] for s in steps] == list(range(1, STEPS + 1))
     for s in steps:
         # kvtier's eviction metrics reached verl's logged metrics, and every step's rollouts were evicted
         assert s["eviction_events"] > 0 and s["eviction_events_mean"] > 0 and s["tokens_evicted_mean"] > 0, s
+        # one generate call per (single-turn) sample, added up by kvtier's agent-loop worker into the
+        # TransferQueue's extra_fields (the field is missing without it)
+        assert s["generate_calls_mean"] == 1.0, s
         assert s["seconds"] > 0
     assert summary["eviction_events"] == sum(s["eviction_events"] for s in steps)
 
@@ -107,3 +124,30 @@ def test_sleep_wake_every_step(smoke):
     assert len(after_sleep) == summary["sleeps"] and len(after_wake) == summary["wakes"]
     if None not in after_sleep + after_wake:
         assert all(after_sleep) and not any(after_wake), (after_sleep, after_wake)
+
+
+def test_v0_trainer_logs_eviction_and_rollout_correction_metrics(smoke_v0):
+    """`trainer.use_v1=false`: kvtier's eviction metrics reach RayPPOTrainer's logged metrics as step timing
+    (`timing_s/rollout/kvtier/...`, from KVTierAgentLoopManager's meta_info["timing"]), every step's rollouts
+    were evicted, verl's rollout-correction metrics are there, and the weights were synced every step."""
+    steps, summary = smoke_v0["steps"], smoke_v0["summary"]
+    assert summary["trainer"] == "v0" and summary["steps"] == V0_STEPS
+    assert [s["step"] for s in steps] == list(range(1, V0_STEPS + 1))
+    for s in steps:
+        names = s["kvtier_metrics"]
+        for metric in ("eviction_events/mean", "eviction_events/max", "tokens_evicted/mean",
+                       "peak_kv_blocks/max", "generate_calls/mean", "compressed_fraction"):
+            assert f"timing_s/rollout/kvtier/{metric}" in names, names
+        assert all(n.startswith("timing_s/rollout/kvtier/") for n in names), names   # v0 has no v1 names
+        assert s["eviction_events"] > 0 and s["eviction_events_mean"] > 0 and s["tokens_evicted_mean"] > 0, s
+        assert s["generate_calls_mean"] == 1.0, s
+        assert s["rollout_is_mean"] is not None and math.isfinite(s["rollout_is_mean"]), s
+        assert 0 < s["rollout_is_mean"] <= 2.0 and s["rollout_is_max"] <= 2.0 + 1e-6
+        for key in ("kl", "log_ppl_diff", "chi2_token"):
+            assert key in s["mismatch"] and math.isfinite(s["mismatch"][key]), (key, s["mismatch"])
+        assert s["weights_version"] == s["step"] and s["actor_loss"] is not None
+    versions = summary["weights_versions"]
+    assert len(versions) >= V0_STEPS + 1 and all(a < b for a, b in zip(versions, versions[1:])), versions
+    assert summary["sleeps"] >= V0_STEPS and summary["wakes"] >= V0_STEPS, summary
+    for c in summary["logprob_checks"]:
+        assert "error" not in c and c["max_abs_diff"] < LOGPROB_TOL, c

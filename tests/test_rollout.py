@@ -274,6 +274,7 @@ def test_agent_loop_batch_responses_logprobs_and_eviction_stats(rollout, replay)
         lp = b["rollout_log_probs"][i]
         assert torch.isfinite(lp).all() and (lp[: len(response)] < 0).all() and (lp[len(response):] == 0).all()
         assert nt["kvtier_budget"][i] == BUDGET and nt["kvtier_preemptions"][i] == 0
+        assert nt["kvtier_generate_calls"][i] == 1
         events, evicted = nt["kvtier_eviction_events"][i], nt["kvtier_tokens_evicted"][i]
         if total > BUDGET + 2 * BUFFER:      # long sample: rounds ran, tokens were evicted
             assert events > 0 and evicted > 0
@@ -478,7 +479,9 @@ def test_tool_agent_loop_multi_turn_beyond_budget_runs_compressed(rollout, repla
     """verl's ToolAgentLoop resends the whole history each turn; with `protect: first_turn` the server
     protects only the first prompt, so turns whose context exceeds K run compressed (with the paper's rule
     they would be rejected: the budget cannot hold the protected prompt). Every round of a later turn keeps
-    the first prompt in every head, and the log-probs of a long later turn match the masked reference."""
+    the first prompt in every head, and the log-probs of a long later turn match the masked reference.
+    Each sample's kvtier counters cover all of its turns (verl keeps only the first turn's extra_fields;
+    kvtier's agent-loop worker adds the calls up)."""
     import numpy as np
 
     from kvtier.rollout.local import chat_batch
@@ -504,6 +507,7 @@ def test_tool_agent_loop_multi_turn_beyond_budget_runs_compressed(rollout, repla
 
     for w in rollout.agent.agent_loop_workers:
         assert ray.get(w.__ray_call__.remote(register_parser))
+        assert ray.get(w.__ray_call__.remote(_call_recorder()[0]))
     n = 4
     batch = chat_batch([f"Look up the population of city number {i} and report it." for i in range(n)])
     batch.non_tensor_batch["agent_name"] = np.array(["tool_agent"] * n, dtype=object)
@@ -511,6 +515,7 @@ def test_tool_agent_loop_multi_turn_beyond_budget_runs_compressed(rollout, repla
     out = rollout.generate_sequences(batch)
     b, nt = out.batch, out.non_tensor_batch
     assert max(nt["__num_turns__"]) >= 4, nt["__num_turns__"]
+    _check_sample_counters_cover_every_turn(rollout, out, n)
     checked_rounds, long_turns = 0, []
     for i in range(n):
         prompt, _ = unpadded(out, i)
@@ -548,6 +553,72 @@ def test_tool_agent_loop_multi_turn_beyond_budget_runs_compressed(rollout, repla
     print(f"\n[tool agent] turns per sample {list(nt['__num_turns__'])}, {len(long_turns)} later turns beyond K, "
           f"{checked_rounds} rounds checked; replayed sample {i} turn [{start}, {end}) after a "
           f"{len(prompt) + start}-token context: max err {err:.4f}, unmasked {control:.4f}", file=sys.stderr)
+
+
+def _call_recorder():
+    """(install, collect) for `__ray_call__` on an agent-loop worker (nested functions: cloudpickle ships them
+    by value; the actor cannot import this test module). install: from now on keep every server call's kvtier
+    fields with the trajectory's `SampleCounters` they were added to (kept alive, so ids stay unique)."""
+
+    def install(_worker):
+        from kvtier.rollout import sample_counters as sc
+
+        if not hasattr(sc, "_test_calls"):
+            sc._test_calls = []
+            add = sc.SampleCounters.add
+
+            def recording_add(self, extra):
+                if extra and "kvtier_budget" in extra:
+                    sc._test_calls.append((self, {k: v for k, v in extra.items() if k.startswith("kvtier_")}))
+                return add(self, extra)
+
+            sc.SampleCounters.add = recording_add
+        sc._test_calls.clear()
+        return True
+
+    def collect(_worker):
+        from kvtier.rollout import sample_counters as sc
+
+        return [(id(counters), extra) for counters, extra in getattr(sc, "_test_calls", [])]
+
+    return install, collect
+
+
+def _check_sample_counters_cover_every_turn(rollout, out, n):
+    """Each sample's kvtier columns are the totals over all of its generate calls (one per assistant turn):
+    against the server's per-call fields recorded in the agent-loop workers, and the events against the
+    engine's audit log (one record per eviction round, over every turn's vLLM request of the sample)."""
+    nt = out.non_tensor_batch
+    groups: dict[tuple, list[dict]] = {}
+    for w, worker in enumerate(rollout.agent.agent_loop_workers):
+        for key, extra in ray.get(worker.__ray_call__.remote(_call_recorder()[1])):
+            groups.setdefault((w, key), []).append(extra)
+    more_than_first = 0
+    for i in range(n):
+        calls = [g for g in groups.values() if g[0]["kvtier_request_id"] == nt["kvtier_request_id"][i]]
+        assert len(calls) == 1, f"sample {i}: its server calls were not recorded"
+        calls = calls[0]
+        # one call per assistant turn (a first turn that fills response_length is the only one)
+        assert nt["kvtier_generate_calls"][i] == len(calls), (i, len(calls), nt["__num_turns__"][i])
+        for key in ("kvtier_eviction_events", "kvtier_tokens_evicted", "kvtier_preemptions"):
+            assert nt[key][i] == sum(c[key] for c in calls), (i, key, nt[key][i], [c[key] for c in calls])
+        assert nt["kvtier_peak_kv_blocks"][i] == max(c["kvtier_peak_kv_blocks"] for c in calls)
+        assert nt["kvtier_budget"][i] == BUDGET
+        rounds = [r for r in records_for(rollout.audit_log, f"det-{91000 + i}") if "kept" in r]
+        assert len(rounds) == nt["kvtier_eviction_events"][i], (i, len(rounds), nt["kvtier_eviction_events"][i])
+        assert len({r["req_id"] for r in rounds}) <= len(calls)
+        more_than_first += nt["kvtier_eviction_events"][i] > calls[0]["kvtier_eviction_events"]
+    assert max(nt["kvtier_generate_calls"]) >= 2
+    assert more_than_first > 0, "no sample had eviction rounds after its first turn"
+    # and the trainer's metrics reduce the totals (KVTierAgentLoopManager put them into the batch's timing)
+    from kvtier.rollout.metrics import eviction_metrics
+
+    metrics = eviction_metrics(out)
+    assert out.meta_info["timing"]["rollout/kvtier/eviction_events/mean"] == metrics[
+        "rollout/kvtier/eviction_events/mean"] == pytest.approx(sum(nt["kvtier_eviction_events"]) / n)
+    assert metrics["rollout/kvtier/generate_calls/max"] == max(nt["kvtier_generate_calls"])
+    print(f"\n[tool agent] generate calls per sample {list(nt['kvtier_generate_calls'])}, eviction events "
+          f"{list(nt['kvtier_eviction_events'])}", file=sys.stderr)
 
 
 def test_validation_runs_at_val_budget_and_metrics_reach_the_trainer(rollout):
@@ -705,3 +776,70 @@ def test_first_turn_prefixes_follow_request_ids():
     assert fp.prefix_len("a", [1, 2, 3, 9, 9, 7]) == 3         # both remembered (det-<n> ids repeat)
     fp.prefix_len("b", [5]), fp.prefix_len("c", [6])           # capacity 2: "a" forgotten
     assert fp.prefix_len("a", [1, 2, 3, 9]) == 4
+
+
+def test_sample_counters_add_up_every_call_of_a_resumed_partial_rollout():
+    """No engine: verl's FullyAsyncLLMServerClient resubmits an aborted partial rollout and rebuilds the output
+    without any kvtier field; with kvtier's counting mixin under it, the trajectory's totals cover both
+    attempts (sums; peak blocks the max; first call's budget and request id), and the totals land in the
+    agent-loop output's extra_fields. Outside a trajectory nothing is recorded."""
+    from types import SimpleNamespace
+
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
+    from verl.workers.rollout.replica import TokenOutput
+
+    from kvtier.rollout.sample_counters import CountingClientMixin, apply_totals, counting, counting_client
+
+    replies = []
+
+    def reply(tokens, stop, events, evicted, peak, preempted=0, rid="x"):
+        return TokenOutput(token_ids=tokens, log_probs=[-1.0] * len(tokens), stop_reason=stop,
+                           num_preempted=preempted,
+                           extra_fields={"global_steps": 1, "kvtier_budget": 64, "kvtier_request_id": rid,
+                                         "kvtier_protect_prefix": None, "kvtier_eviction_events": events,
+                                         "kvtier_tokens_evicted": evicted, "kvtier_peak_kv_blocks": peak,
+                                         "kvtier_preemptions": preempted})
+
+    class Server:
+        class generate:                               # server.generate.remote(**kwargs) -> awaitable
+            @staticmethod
+            async def remote(**kwargs):
+                return replies.pop(0)
+
+    async def acquire(request_id, **extra):
+        return "s0", Server
+
+    config = SimpleNamespace(actor_rollout_ref=SimpleNamespace(rollout=SimpleNamespace(
+        name="kvtier", full_determinism=False, response_length=100)))
+    client = counting_client(FullyAsyncLLMServerClient(config=config, load_balancer_handle=None))
+    assert isinstance(client, FullyAsyncLLMServerClient) and isinstance(client, CountingClientMixin)
+    assert counting_client(client) is client
+    plain = counting_client(LLMServerClient(config=config, load_balancer_handle=None))
+    assert type(plain).__mro__[1:3] == (CountingClientMixin, LLMServerClient)
+    client._acquire_server = acquire
+    client._release_server = lambda server_id, request_id=None: None
+
+    async def trajectory():
+        with counting() as counters:
+            out = await client.generate("traj-1", prompt_ids=[5, 6, 7], sampling_params={})
+            agent_output = SimpleNamespace(extra_fields=dict(out.extra_fields))
+            return out, counters.totals(), apply_totals(agent_output), agent_output
+
+    replies[:] = [reply([1, 2, 3], "aborted", 2, 40, 5, rid="x-1"), reply([4, 5], "completed", 3, 70, 4, 1, "x-2")]
+    out, totals, applied, agent_output = asyncio.run(trajectory())
+    assert out.token_ids == [1, 2, 3, 4, 5] and not any(k.startswith("kvtier_") for k in out.extra_fields)
+    assert totals == applied == {"kvtier_budget": 64, "kvtier_request_id": "x-1", "kvtier_protect_prefix": None,
+                                 "kvtier_eviction_events": 5, "kvtier_tokens_evicted": 110,
+                                 "kvtier_peak_kv_blocks": 5, "kvtier_preemptions": 1, "kvtier_generate_calls": 2}
+    assert agent_output.extra_fields["kvtier_eviction_events"] == 5 and agent_output.extra_fields["global_steps"] == 1
+    # full attention (counters None) stays None; a call rejected at the admission gate (no kvtier fields) and
+    # calls outside a trajectory are not counted
+    replies[:] = [TokenOutput(token_ids=[], stop_reason="completed", extra_fields={"global_steps": 1})]
+    assert asyncio.run(client.generate("traj-2", prompt_ids=[1], sampling_params={})).token_ids == []
+    from kvtier.rollout.sample_counters import SampleCounters
+
+    c = SampleCounters()
+    c.add({"kvtier_budget": None, "kvtier_eviction_events": None, "kvtier_peak_kv_blocks": None})
+    c.add({"global_steps": 1})
+    c.add({"kvtier_budget": None, "kvtier_eviction_events": None, "kvtier_peak_kv_blocks": None})
+    assert c.totals()["kvtier_eviction_events"] is None and c.totals()["kvtier_generate_calls"] == 2
