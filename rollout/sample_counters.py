@@ -117,11 +117,18 @@ def apply_totals(output, counters: SampleCounters | None = None) -> dict[str, An
     return totals
 
 
-class CountingClientMixin(LLMServerClient):
-    """Records each server call's `extra_fields` into the current trajectory's `SampleCounters`."""
+SESSION_KEY = "kvtier_session"   # the trajectory's id, for `protect: first_turn` (rollout.server)
 
-    async def generate(self, *args, **kwargs):
-        output = await super().generate(*args, **kwargs)
+
+class CountingClientMixin(LLMServerClient):
+    """Records each server call's `extra_fields` into the current trajectory's `SampleCounters`, and tells
+    the server which trajectory a call belongs to: verl sends each call under a fresh vLLM request id
+    unless `full_determinism` is set, while the `request_id` the agent loop passes here (verl's sticky
+    session id) is the trajectory's, on every turn and every resumed attempt."""
+
+    async def generate(self, request_id, *args, sampling_params: dict[str, Any], **kwargs):
+        sampling_params = {**sampling_params, SESSION_KEY: str(request_id)}
+        output = await super().generate(request_id, *args, sampling_params=sampling_params, **kwargs)
         counters = _CURRENT.get()
         if counters is not None and output is not None:
             counters.add(getattr(output, "extra_fields", None))

@@ -88,7 +88,8 @@ def check_free_space(directory: str, needed: int) -> None:
 
 
 class _FirstPrompts:
-    """`protect: first_turn`: the first prompt seen under each request id (its length and a digest), so a
+    """`protect: first_turn`: the first prompt seen under each trajectory (keyed by the `kvtier_session` that
+    kvtier's agent-loop client sends, else by the request id) (its length and a digest), so a
     later prompt under the same id that starts with it (verl's tool agent loop resends history + the new
     turn; its fully-async client resubmits prompt + partial output) protects only that prefix.
 
@@ -352,8 +353,11 @@ class KVTierServer:
         if self.engine is None:
             raise RuntimeError("kvtier rollout server not launched (call launch_server first)")
         prompt_ids = normalize_token_ids(prompt_ids)
-        params = self.build_sampling_params(len(prompt_ids), dict(sampling_params))
-        protect_prefix = self._protect_prefix(request_id, prompt_ids, params.extra_args or {})
+        sampling_params = dict(sampling_params)
+        # the trajectory's id from kvtier's agent-loop client (sample_counters.SESSION_KEY); else this call's
+        session = sampling_params.pop("kvtier_session", None) or request_id
+        params = self.build_sampling_params(len(prompt_ids), sampling_params)
+        protect_prefix = self._protect_prefix(str(session), prompt_ids, params.extra_args or {})
         if protect_prefix is not None:
             params.extra_args = {**(params.extra_args or {}), "kvtier_protect_prefix": protect_prefix}
 
@@ -399,14 +403,14 @@ class KVTierServer:
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop_reason,
                            num_preempted=num_preempted, extra_fields=extra)
 
-    def _protect_prefix(self, request_id: str, prompt_ids: list[int], extra_args: dict) -> int | None:
+    def _protect_prefix(self, session: str, prompt_ids: list[int], extra_args: dict) -> int | None:
         """`kvtier_protect_prefix` for this request under `rollout.custom.kvtier.protect`, or None (the
         policy's own rule: the whole prompt). Only for compressed requests whose policy protects the prompt
         and that did not say themselves (kvtier_protect_prefix / kvtier_protect_prompt)."""
         mode = self.settings.protect
         if mode == "all" or not self.settings.eviction.enabled:
             return None
-        first = self._first_prompts.prefix_len(request_id, prompt_ids) if mode == "first_turn" else None
+        first = self._first_prompts.prefix_len(session, prompt_ids) if mode == "first_turn" else None
         if "kvtier_protect_prefix" in extra_args or "kvtier_protect_prompt" in extra_args:
             return None
         from kvtier.engine.config import EvictionConfigError, resolve_request_spec

@@ -30,10 +30,12 @@ Per request, a `kvtier_*` key in verl's sampling params (`kvtier_budget`, `kvtie
 `kvtier_buffer`, `kvtier_protect_prefix`, ...) overrides the default for that request only (see
 `split_request_params`).
 
-`protect: first_turn` is resolved by the server from the request ids verl sends: verl's tool agent loop
-and its fully-async client resubmit the growing context (history + new turn, or prompt + partial output)
-under the trajectory's request id, so the server remembers the first prompt of each request id and
-protects only that prefix of a later prompt that starts with it. `val_budget` needs
+`protect: first_turn` is resolved by the server per trajectory: verl's tool agent loop and its fully-async
+client resubmit the growing context (history + new turn, or prompt + partial output) for one trajectory,
+but each call reaches the server under a fresh request id unless `full_determinism` is set; kvtier's
+agent-loop client (`sample_counters.CountingClientMixin`) therefore sends the trajectory's id as
+`kvtier_session`, the server remembers the first prompt of each session and protects only that prefix of
+a later prompt that starts with it. `val_budget` needs
 `rollout.agent.agent_loop_manager_class: kvtier.rollout.trainer_hooks.KVTierAgentLoopManager` (verl marks
 validation in its agent-loop workers only; see `trainer_hooks`).
 """

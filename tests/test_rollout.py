@@ -800,10 +800,13 @@ def test_sample_counters_add_up_every_call_of_a_resumed_partial_rollout():
                                          "kvtier_tokens_evicted": evicted, "kvtier_peak_kv_blocks": peak,
                                          "kvtier_preemptions": preempted})
 
+    calls = []
+
     class Server:
         class generate:                               # server.generate.remote(**kwargs) -> awaitable
             @staticmethod
             async def remote(**kwargs):
+                calls.append(kwargs)
                 return replies.pop(0)
 
     async def acquire(request_id, **extra):
@@ -828,6 +831,14 @@ def test_sample_counters_add_up_every_call_of_a_resumed_partial_rollout():
     replies[:] = [reply([1, 2, 3], "aborted", 2, 40, 5, rid="x-1"), reply([4, 5], "completed", 3, 70, 4, 1, "x-2")]
     out, totals, applied, agent_output = asyncio.run(trajectory())
     assert out.token_ids == [1, 2, 3, 4, 5] and not any(k.startswith("kvtier_") for k in out.extra_fields)
+    # `protect: first_turn` without full_determinism: each attempt reaches the server under a fresh request
+    # id, but with the trajectory's id as kvtier_session, and the server keys its first prompts on that
+    assert len(calls) == 2 and calls[0]["request_id"] != calls[1]["request_id"]
+    assert [c["sampling_params"]["kvtier_session"] for c in calls] == ["traj-1", "traj-1"]
+    from kvtier.rollout.server import _FirstPrompts
+
+    fp = _FirstPrompts()
+    assert [fp.prefix_len(c["sampling_params"]["kvtier_session"], c["prompt_ids"]) for c in calls] == [3, 3]
     assert totals == applied == {"kvtier_budget": 64, "kvtier_request_id": "x-1", "kvtier_protect_prefix": None,
                                  "kvtier_eviction_events": 5, "kvtier_tokens_evicted": 110,
                                  "kvtier_peak_kv_blocks": 5, "kvtier_preemptions": 1, "kvtier_generate_calls": 2}
