@@ -21,6 +21,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from vllm.v1.metrics.loggers import StatLoggerBase
+
 from .harness import TINY_BLOCK_BYTES, TINY_BLOCK_TOKENS
 
 TARGETS = {"ratio_min": 2.0, "compressed_preemptions": 0}
@@ -49,7 +51,7 @@ class RolloutShape:
         return (self.full_seqs * per_seq + 1) * TINY_BLOCK_BYTES   # + vLLM's null block
 
 
-class StepCounter:
+class StepCounter(StatLoggerBase):
     """A vLLM stat logger (lives in the server actor): preemptions and the peak running batch, all requests."""
 
     def __init__(self) -> None:
@@ -62,13 +64,7 @@ class StepCounter:
             self.steps += 1
             self.peak_running = max(self.peak_running, scheduler_stats.num_running_reqs)
 
-    def log(self) -> None:
-        pass
-
     def log_engine_initialized(self) -> None:
-        pass
-
-    def record_sleep_state(self, *args, **kwargs) -> None:
         pass
 
 

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 
 from pydantic import ValidationError
 from vllm.exceptions import VLLMClientError
+from vllm.v1.metrics.loggers import StatLoggerBase
 
 from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
@@ -41,7 +42,7 @@ class LocalModelCallback(CallbackBase):
             self.ctx.run_init_node = False
 
 
-class LoadTracker:
+class LoadTracker(StatLoggerBase):
     """A vLLM stat logger keeping the scheduler's stats of its latest step, per engine index.
 
     The engine core attaches `SchedulerStats` to the outputs of every step (including the step that
@@ -69,13 +70,7 @@ class LoadTracker:
         self.updated_at = time.time()
         self.steps += 1
 
-    def log(self) -> None:
-        pass
-
     def log_engine_initialized(self) -> None:
-        pass
-
-    def record_sleep_state(self, *args, **kwargs) -> None:
         pass
 
 
