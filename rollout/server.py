@@ -355,7 +355,14 @@ class KVTierServer:
         prompt_ids = normalize_token_ids(prompt_ids)
         sampling_params = dict(sampling_params)
         # the trajectory's id from kvtier's agent-loop client (sample_counters.SESSION_KEY); else this call's
-        session = sampling_params.pop("kvtier_session", None) or request_id
+        session = sampling_params.pop("kvtier_session", None)
+        if session is None and self.settings.protect == "first_turn" and not self.config.full_determinism \
+                and not getattr(self, "_warned_no_session", False):
+            self._warned_no_session = True   # without kvtier's agent-loop manager, turns arrive under fresh ids
+            logger.warning("kvtier rollout: protect=first_turn but calls carry no kvtier_session (set "
+                           "rollout.agent.agent_loop_manager_class=kvtier.rollout.trainer_hooks.KVTierAgentLoopManager); "
+                           "later turns are keyed by their own request ids and protect their whole prompt")
+        session = session or request_id
         params = self.build_sampling_params(len(prompt_ids), sampling_params)
         protect_prefix = self._protect_prefix(str(session), prompt_ids, params.extra_args or {})
         if protect_prefix is not None:
