@@ -4,6 +4,13 @@ import torch
 
 from kvtier.engine.stats import read_audit_log
 
+# the engine tests' prompts: one long enough for several rounds at small budgets, two short ones
+PROMPTS = [
+    "Let x = 42. Then the answer is \\boxed{x} and we continue to reason about it " * 2,
+    "Hello world, the answer is ",
+    "A long chain of thought begins here: first we note that seven times six is forty two, ",
+]
+
 
 def engine_logprobs(output) -> torch.Tensor:
     c = output.outputs[0]

@@ -11,16 +11,11 @@ import torch
 pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 
-from engine_helpers import engine_logprobs, greedy, first_round_row, records_for  # noqa: E402
+from engine_helpers import PROMPTS, engine_logprobs, first_round_row, greedy, records_for  # noqa: E402
 from kvtier.engine.api import build_llm, eviction_stats, pool_state  # noqa: E402
 from kvtier.engine.support import KVTierRequestError, UnsupportedEngineConfig, check_supported  # noqa: E402
 
 BUFFER = 16
-PROMPTS = [
-    "Let x = 42. Then the answer is \\boxed{x} and we continue to reason about it " * 2,
-    "Hello world, the answer is ",
-    "A long chain of thought begins here: first we note that seven times six is forty two, ",
-]
 
 
 @pytest.fixture(scope="module")
