@@ -6,7 +6,7 @@ Modules (nothing is imported here; verl and vLLM load only when a module is used
   put `VERL_USE_EXTERNAL_MODULES=kvtier.rollout.verl_plugin` in every Ray worker's environment;
 * `replica` (`KVTierReplica`), `server` (`KVTierServer`, the Ray actor hosting vLLM 0.31's AsyncLLM with
   kvtier eviction), `adapter` (`KVTierServerAdapter`, verl's `BaseRollout` in the trainer workers),
-  `worker_ext` (vLLM worker extension: eviction counters, weight loading);
+  `worker_ext` (vLLM worker extension: the engine's eviction counters plus weight loading);
 * `settings` — `rollout.custom.kvtier` / `rollout.engine_kwargs.kvtier` -> engine arguments;
 * `metrics` — per-sample eviction columns in the output DataProto and their reduction for logging;
 * `sample_counters` — a sample's counters over all of its generate calls (multi-turn, resumed partial

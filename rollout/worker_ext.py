@@ -1,8 +1,8 @@
-"""vLLM worker extension for the kvtier rollout server (`worker_extension_cls`).
+"""vLLM worker extension for the kvtier rollout server (`worker_extension_cls`): the engine's extension
+(eviction counters, `kvtier.engine.worker_ext`) plus weight loading for verl's weight sync.
 
-vLLM mixes these methods into its worker class; the server calls them by name through
-`AsyncLLM.collective_rpc`, so no callable has to be pickled into the engine core. Everything here
-runs in the vLLM worker process (on CPU: the EngineCore process), between engine steps.
+The server calls these methods by name through `AsyncLLM.collective_rpc`; they run in the vLLM worker
+process (on CPU: the EngineCore process), between engine steps.
 
 Weight updates go through vLLM's layerwise reload (`initialize_layerwise_reload` ->
 `model.load_weights` -> `finalize_layerwise_reload`): on CPU, vLLM repacks every linear weight into a
@@ -15,35 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.engine import worker_ext
 
-class KVTierWorkerExtension:
-    # -- eviction counters ----------------------------------------------------------------------
-    def kvtier_request_stats(self, request_ids: list[str]) -> dict[str, dict[str, Any] | None]:
-        """Per-request eviction counters, keyed by the *external* request id.
 
-        vLLM makes the internal id `<external id>-<8 random chars>`; when several internal ids share an
-        external id, the most recent one wins."""
-        ev = getattr(self.model_runner, "kvtier", None)
-        out: dict[str, dict[str, Any] | None] = {rid: None for rid in request_ids}
-        if ev is None:
-            return out
-        wanted = set(request_ids)
-        from dataclasses import asdict
+class WeightUpdateMixin:
+    """begin -> load_weights_file (one call per bucket) -> finish; one update at a time per worker."""
 
-        for internal, counters in list(ev.stats.requests.items()):
-            rid = internal if internal in wanted else internal.rsplit("-", 1)[0]
-            if rid in wanted:
-                out[rid] = {"internal_request_id": internal, **asdict(counters)}
-        return out
-
-    def kvtier_engine_stats(self) -> dict[str, Any] | None:
-        ev = getattr(self.model_runner, "kvtier", None)
-        if ev is None:
-            return None
-        snap = ev.stats.snapshot([])
-        return {"engine": snap["engine"], "round_ms_bucket_bounds": snap["round_ms_bucket_bounds"]}
-
-    # -- weight updates -------------------------------------------------------------------------
     def kvtier_begin_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -79,3 +56,7 @@ class KVTierWorkerExtension:
         expected = {n for n, _ in model.named_parameters()}
         return {"loaded": len(self._kvtier_loaded), "parameters": len(expected),
                 "missing": sorted(expected - self._kvtier_loaded)[:20]}
+
+
+class KVTierWorkerExtension(WeightUpdateMixin, worker_ext.KVTierWorkerExtension):
+    """The rollout's worker extension (`settings.WORKER_EXTENSION`): eviction counters + weight loading."""

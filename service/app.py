@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.engine.worker_ext import QUALNAME as WORKER_EXTENSION
+
 from .config import TINY_MODEL, EngineConfig, ServiceConfig
-from .worker_ext import QUALNAME as WORKER_EXTENSION
 
 ENGINE_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 # Only for a Ray cluster kvtier starts itself (launch.py): token auth stays on for shared clusters (KubeRay).

@@ -6,7 +6,7 @@ Additions to the stock server:
 - `kvtier_load()`: the scheduler's load after its latest step (running / waiting requests, KV pool usage and
   free blocks), captured by a stat logger attached to the engine, plus the requests the frontend has in
   flight; the router polls every replica's load for the KV-pressure rule.
-- `kvtier_eviction_stats()`: the kvtier eviction counters from the worker (via `worker_ext`).
+- `kvtier_eviction_stats()`: the kvtier eviction counters from the worker (via `kvtier.engine.worker_ext`).
 The engine is warmed up with a 16-token prompt before it serves (see kvtier.engine.api.WARMUP_PROMPT_TOKENS).
 """
 
