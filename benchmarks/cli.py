@@ -1,189 +1,188 @@
-"""`kvtier bench ...` commands."""
+"""`kvtier bench ...`: the benchmark commands (each prints JSON). `bench serve` is in serve_cli.py."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (print JSON).")
 
 
 def _print_json(obj) -> None:
     typer.echo(json.dumps(obj, indent=2))
 
 
-def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    @app.command("calibrate")
-    def calibrate(
-        out: Path = typer.Option(..., "--out", help="Calibration file to write (safetensors)."),
-        model: Optional[str] = typer.Option(None, help="HF model dir (default: the tiny local Qwen3)."),
-        tokens: int = typer.Option(128, help="Tokens generated per prompt (the sampled decode steps)."),
-        prompt: Optional[List[str]] = typer.Option(None, "--prompt", "-p", help="A prompt (repeatable; default: built-in)."),
-        prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="File with one prompt per line."),
-        temperature: float = typer.Option(0.0, help="0 = greedy."),
-        seed: int = typer.Option(0),
-        dtype: str = typer.Option("bfloat16", help="Model dtype for the sample (bfloat16 = as served)."),
-        device: str = typer.Option("cpu"),
-    ) -> None:
-        """TriAttention calibration (per layer and KV head) from the model's own decode steps; pass the file
-        to requests as kvtier_params={"calibration": OUT}."""
-        from kvtier.engine.calibrate import run_calibrate
-        from kvtier.models.tiny import ensure_tiny_model
+@bench_app.command("rounds")
+def bench_rounds(
+    layers: int = typer.Option(36, help="Transformer layers (one eviction per layer per round)."),
+    kv_heads: int = typer.Option(8, "--kv-heads"),
+    head_dim: int = typer.Option(128, "--head-dim"),
+    budget: int = typer.Option(1024, help="K, kept candidates per head."),
+    buffer: int = typer.Option(64, help="r, the never-scored recent buffer."),
+    query_heads: int = typer.Option(32, "--query-heads"),
+    prompt_len: int = typer.Option(128, "--prompt-len"),
+    batch: int = typer.Option(1),
+    device: str = typer.Option("cpu", help="cpu or cuda"),
+    repeats: int = typer.Option(20),
+    policies: Optional[str] = typer.Option(None, help="Comma-separated policy names (default: all registered)."),
+    threads: int = typer.Option(1, help="CPU threads (0 = torch default)."),
+) -> None:
+    """Milliseconds per eviction round for every policy, plus the full-gather compaction floor."""
+    from kvtier.benchmarks.rounds import RoundShapes, run_rounds_bench
 
-        prompts = list(prompt or [])
-        if prompts_file is not None:
-            prompts += [l for l in prompts_file.read_text().splitlines() if l.strip()]
-        _print_json(run_calibrate(model or str(ensure_tiny_model()), out, prompts=prompts or None, tokens=tokens,
-                                  temperature=temperature, seed=seed, dtype=dtype, device=device))
+    shapes = RoundShapes(layers=layers, kv_heads=kv_heads, head_dim=head_dim, budget=budget, buffer=buffer,
+                         query_heads=query_heads, prompt_len=prompt_len, batch=batch)
+    names = policies.split(",") if policies else None
+    _print_json(run_rounds_bench(shapes, device=device, repeats=repeats, policies=names, threads=threads or None))
 
-    @bench_app.command("rounds")
-    def bench_rounds(
-        layers: int = typer.Option(36, help="Transformer layers (one eviction per layer per round)."),
-        kv_heads: int = typer.Option(8, "--kv-heads"),
-        head_dim: int = typer.Option(128, "--head-dim"),
-        budget: int = typer.Option(1024, help="K, kept candidates per head."),
-        buffer: int = typer.Option(64, help="r, the never-scored recent buffer."),
-        query_heads: int = typer.Option(32, "--query-heads"),
-        prompt_len: int = typer.Option(128, "--prompt-len"),
-        batch: int = typer.Option(1),
-        device: str = typer.Option("cpu", help="cpu or cuda"),
-        repeats: int = typer.Option(20),
-        policies: Optional[str] = typer.Option(None, help="Comma-separated policy names (default: all registered)."),
-        threads: int = typer.Option(1, help="CPU threads (0 = torch default)."),
-    ) -> None:
-        """Milliseconds per eviction round for every policy, plus the full-gather compaction floor."""
-        from kvtier.benchmarks.rounds import RoundShapes, run_rounds_bench
 
-        shapes = RoundShapes(layers=layers, kv_heads=kv_heads, head_dim=head_dim, budget=budget, buffer=buffer,
-                             query_heads=query_heads, prompt_len=prompt_len, batch=batch)
-        names = policies.split(",") if policies else None
-        _print_json(run_rounds_bench(shapes, device=device, repeats=repeats, policies=names, threads=threads or None))
+@bench_app.command("compaction")
+def bench_compaction(
+    device: str = typer.Option("cpu", help="cpu or cuda"),
+    requests: Optional[str] = typer.Option(None, help="Due requests per step, comma-separated (default: cuda 1,64,256; cpu 1,8)."),
+    budgets: str = typer.Option("1024,2048", help="K values, comma-separated."),
+    buffer: int = typer.Option(64, help="r, the recent buffer (each due request holds K + 2r entries)."),
+    layers: int = typer.Option(36),
+    kv_heads: int = typer.Option(8, "--kv-heads"),
+    head_dim: int = typer.Option(128, "--head-dim"),
+    block_size: int = typer.Option(16, "--block-size"),
+    query_heads: int = typer.Option(32, "--query-heads", help="For policies reading queries (snapkv, rkv)."),
+    prompt_len: int = typer.Option(64, "--prompt-len"),
+    layouts: str = typer.Option("flash,cpu", help="Cache layouts: flash, cpu (vLLM's CPU page; its own op when importable), cpu_plain."),
+    policies: str = typer.Option("random,snapkv,rkv"),
+    repeats: Optional[int] = typer.Option(None, help="Timed steps per cell after the checked warm-up (default: cuda 10, cpu 3)."),
+    dtype: str = typer.Option("bfloat16"),
+    max_gb: Optional[float] = typer.Option(None, "--max-gb", help="Skip cells whose estimated peak memory (cache, its pristine copy, row indices) is larger (default: cpu 10 GiB, caches up to ~4 GiB; cuda 75% of free memory)."),
+    cpu_writer: str = typer.Option("auto", "--cpu-writer", help="Layout cpu: auto, vllm or emulated."),
+    threads: int = typer.Option(1, help="CPU threads (0 = torch default)."),
+    seed: int = typer.Option(0),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON here."),
+) -> None:
+    """ms per engine step for compacting every due request (selection + hole-filling row copies) on a
+    paged cache, against a full per-head gather of the same requests, with an exactness check."""
+    from kvtier.benchmarks.compaction import CompactionShapes, run_compaction_bench
 
-    @bench_app.command("compaction")
-    def bench_compaction(
-        device: str = typer.Option("cpu", help="cpu or cuda"),
-        requests: Optional[str] = typer.Option(None, help="Due requests per step, comma-separated (default: cuda 1,64,256; cpu 1,8)."),
-        budgets: str = typer.Option("1024,2048", help="K values, comma-separated."),
-        buffer: int = typer.Option(64, help="r, the recent buffer (each due request holds K + 2r entries)."),
-        layers: int = typer.Option(36),
-        kv_heads: int = typer.Option(8, "--kv-heads"),
-        head_dim: int = typer.Option(128, "--head-dim"),
-        block_size: int = typer.Option(16, "--block-size"),
-        query_heads: int = typer.Option(32, "--query-heads", help="For policies reading queries (snapkv, rkv)."),
-        prompt_len: int = typer.Option(64, "--prompt-len"),
-        layouts: str = typer.Option("flash,cpu", help="Cache layouts: flash, cpu (vLLM's CPU page; its own op when importable), cpu_plain."),
-        policies: str = typer.Option("random,snapkv,rkv"),
-        repeats: Optional[int] = typer.Option(None, help="Timed steps per cell after the checked warm-up (default: cuda 10, cpu 3)."),
-        dtype: str = typer.Option("bfloat16"),
-        max_gb: Optional[float] = typer.Option(None, "--max-gb", help="Skip cells whose estimated peak memory (cache, its pristine copy, row indices) is larger (default: cpu 10 GiB, caches up to ~4 GiB; cuda 75% of free memory)."),
-        cpu_writer: str = typer.Option("auto", "--cpu-writer", help="Layout cpu: auto, vllm or emulated."),
-        threads: int = typer.Option(1, help="CPU threads (0 = torch default)."),
-        seed: int = typer.Option(0),
-        out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON here."),
-    ) -> None:
-        """ms per engine step for compacting every due request (selection + hole-filling row copies) on a
-        paged cache, against a full per-head gather of the same requests, with an exactness check."""
-        from kvtier.benchmarks.compaction import CompactionShapes, run_compaction_bench
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
 
-        ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    def write(report: dict) -> None:   # after every cell too, so an interrupted run keeps its cells
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
 
-        def write(report: dict) -> None:   # after every cell too, so an interrupted run keeps its cells
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=2) + "\n")
+    shapes = CompactionShapes(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                              buffer=buffer, query_heads=query_heads, prompt_len=prompt_len)
+    report = run_compaction_bench(device=device, requests=ints(requests) if requests else None, budgets=ints(budgets),
+                                  shapes=shapes, layouts=layouts.split(","), policies=policies.split(","),
+                                  repeats=repeats, dtype=dtype, threads=threads or None, max_gb=max_gb,
+                                  seed=seed, cpu_writer=cpu_writer, progress=write if out is not None else None)
+    _print_json(report)
+    if out is not None:
+        write(report)
 
-        shapes = CompactionShapes(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                                  buffer=buffer, query_heads=query_heads, prompt_len=prompt_len)
-        report = run_compaction_bench(device=device, requests=ints(requests) if requests else None, budgets=ints(budgets),
-                                      shapes=shapes, layouts=layouts.split(","), policies=policies.split(","),
-                                      repeats=repeats, dtype=dtype, threads=threads or None, max_gb=max_gb,
-                                      seed=seed, cpu_writer=cpu_writer, progress=write if out is not None else None)
-        _print_json(report)
-        if out is not None:
-            write(report)
 
-    @bench_app.command("throughput")
-    def bench_throughput(
-        requests: int = typer.Option(16, help="Offered load: requests submitted at once."),
-        prompt_tokens: int = typer.Option(128, "--prompt-tokens"),
-        gen_tokens: int = typer.Option(2048, "--gen-tokens", help="Generated per request (ignore_eos)."),
-        budget: int = typer.Option(256, help="K for compressed arms."),
-        buffer: int = typer.Option(64),
-        policies: str = typer.Option("full,random,snapkv", help="Arms: full, stock (unpatched vLLM), POLICY or POLICY:K."),
-        kv_bytes: Optional[int] = typer.Option(None, "--kv-bytes", help="KV pool bytes (default: 68 usable blocks of the tiny model)."),
-        model: Optional[str] = typer.Option(None, help="HF model dir (default: the tiny local Qwen3)."),
-        plot: Optional[str] = typer.Option(None, help="Write a PNG bar chart here."),
-        policy_params: Optional[str] = typer.Option(
-            None, "--policy-params", help='JSON: per policy, its kvtier_params, e.g. '
-            '\'{"triattention": {"calibration": "calib.safetensors"}}\' (file from `kvtier calibrate`).'),
-    ) -> None:
-        """Tok/s, peak batch, preemptions and eviction events per arm, and ratios to full attention."""
-        from kvtier.benchmarks.throughput import LoadShape, run_throughput_bench
-        from kvtier.models.tiny import ensure_tiny_model
+@bench_app.command("throughput")
+def bench_throughput(
+    requests: int = typer.Option(16, help="Offered load: requests submitted at once."),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens"),
+    gen_tokens: int = typer.Option(2048, "--gen-tokens", help="Generated per request (ignore_eos)."),
+    budget: int = typer.Option(256, help="K for compressed arms."),
+    buffer: int = typer.Option(64),
+    policies: str = typer.Option("full,random,snapkv", help="Arms: full, stock (unpatched vLLM), POLICY or POLICY:K."),
+    kv_bytes: Optional[int] = typer.Option(None, "--kv-bytes", help="KV pool bytes (default: 68 usable blocks of the tiny model)."),
+    model: Optional[str] = typer.Option(None, help="HF model dir (default: the tiny local Qwen3)."),
+    plot: Optional[str] = typer.Option(None, help="Write a PNG bar chart here."),
+    policy_params: Optional[str] = typer.Option(
+        None, "--policy-params", help='JSON: per policy, its kvtier_params, e.g. '
+        '\'{"triattention": {"calibration": "calib.safetensors"}}\' (file from `kvtier calibrate`).'),
+) -> None:
+    """Tok/s, peak batch, preemptions and eviction events per arm, and ratios to full attention."""
+    from kvtier.benchmarks.throughput import LoadShape, run_throughput_bench
+    from kvtier.models.tiny import ensure_tiny_model
 
-        shape = LoadShape(requests=requests, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, budget=budget,
-                          buffer=buffer, **({"kv_bytes": kv_bytes} if kv_bytes else {}))
-        try:
-            per_policy = json.loads(policy_params) if policy_params else {}
-        except json.JSONDecodeError as exc:
-            raise typer.BadParameter(f"--policy-params must be JSON: {exc}") from None
-        if not isinstance(per_policy, dict) or not all(isinstance(v, dict) for v in per_policy.values()):
-            raise typer.BadParameter('--policy-params must map policy names to objects: {"POLICY": {...}}')
-        report = run_throughput_bench(model or str(ensure_tiny_model()), shape, policies.split(","), plot,
-                                      policy_params=per_policy)
-        _print_json(report)
-        if not report["valid"]:
-            raise typer.Exit(2)
+    shape = LoadShape(requests=requests, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, budget=budget,
+                      buffer=buffer, **({"kv_bytes": kv_bytes} if kv_bytes else {}))
+    try:
+        per_policy = json.loads(policy_params) if policy_params else {}
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"--policy-params must be JSON: {exc}") from None
+    if not isinstance(per_policy, dict) or not all(isinstance(v, dict) for v in per_policy.values()):
+        raise typer.BadParameter('--policy-params must map policy names to objects: {"POLICY": {...}}')
+    report = run_throughput_bench(model or str(ensure_tiny_model()), shape, policies.split(","), plot,
+                                  policy_params=per_policy)
+    _print_json(report)
+    if not report["valid"]:
+        raise typer.Exit(2)
 
-    @bench_app.command("rollout")
-    def bench_rollout(
-        samples: int = typer.Option(20, help="Prompts in the batch (one response each)."),
-        gen_tokens: int = typer.Option(2048, "--gen-tokens", help="Generated per sample (ignore_eos)."),
-        budget: int = typer.Option(256, help="K of the compressed arm."),
-        buffer: int = typer.Option(64),
-        policy: str = typer.Option("random", help="Policy of the compressed arm."),
-        full_seqs: int = typer.Option(4, "--full-seqs", help="KV pool size in full-length sequences (prompt + gen)."),
-        kv_bytes: Optional[int] = typer.Option(None, "--kv-bytes", help="KV pool bytes (overrides --full-seqs)."),
-        prompt_length: int = typer.Option(128, "--prompt-length", help="data.max_prompt_length."),
-        temperature: float = typer.Option(1.0),
-        server_cpus: Optional[int] = typer.Option(None, "--server-cpus",
-                                                  help="Ray CPUs = engine threads of the server (default: all cores)."),
-        model: Optional[str] = typer.Option(None, help="HF model dir (default: the tiny local Qwen3)."),
-        out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON here."),
-    ) -> None:
-        """One long-CoT batch through verl's agent loop (rollout.name=kvtier): wall time, tok/s, preemptions
-        and eviction events, compressed vs full attention on the same engine and KV pool."""
-        from kvtier.benchmarks.rollout import RolloutShape, run_rollout_bench
-        from kvtier.models.tiny import ensure_tiny_model
 
-        shape = RolloutShape(samples=samples, gen_tokens=gen_tokens, prompt_length=prompt_length, budget=budget,
-                             buffer=buffer, policy=policy, full_seqs=full_seqs, kv_bytes=kv_bytes,
-                             temperature=temperature, server_cpus=server_cpus)
-        report = run_rollout_bench(model or str(ensure_tiny_model()), shape)
-        _print_json(report)
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=2) + "\n")
-        if not report["valid"]:
-            raise typer.Exit(2)
+@bench_app.command("rollout")
+def bench_rollout(
+    samples: int = typer.Option(20, help="Prompts in the batch (one response each)."),
+    gen_tokens: int = typer.Option(2048, "--gen-tokens", help="Generated per sample (ignore_eos)."),
+    budget: int = typer.Option(256, help="K of the compressed arm."),
+    buffer: int = typer.Option(64),
+    policy: str = typer.Option("random", help="Policy of the compressed arm."),
+    full_seqs: int = typer.Option(4, "--full-seqs", help="KV pool size in full-length sequences (prompt + gen)."),
+    kv_bytes: Optional[int] = typer.Option(None, "--kv-bytes", help="KV pool bytes (overrides --full-seqs)."),
+    prompt_length: int = typer.Option(128, "--prompt-length", help="data.max_prompt_length."),
+    temperature: float = typer.Option(1.0),
+    server_cpus: Optional[int] = typer.Option(None, "--server-cpus",
+                                              help="Ray CPUs = engine threads of the server (default: all cores)."),
+    model: Optional[str] = typer.Option(None, help="HF model dir (default: the tiny local Qwen3)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON here."),
+) -> None:
+    """One long-CoT batch through verl's agent loop (rollout.name=kvtier): wall time, tok/s, preemptions
+    and eviction events, compressed vs full attention on the same engine and KV pool."""
+    from kvtier.benchmarks.rollout import RolloutShape, run_rollout_bench
+    from kvtier.models.tiny import ensure_tiny_model
 
-    @bench_app.command("capacity")
-    def bench_capacity(
-        budget: int = typer.Option(256),
-        buffer: int = typer.Option(64),
-        prompt_tokens: int = typer.Option(64, "--prompt-tokens"),
-        gen_tokens: int = typer.Option(640, "--gen-tokens"),
-        policy: str = typer.Option("random"),
-        kv_bytes: Optional[int] = typer.Option(None, "--kv-bytes", help="KV pool bytes (default: 32 usable blocks of the tiny model)."),
-        model: Optional[str] = typer.Option(None),
-    ) -> None:
-        """Largest number of concurrent sequences without preemption, measured vs block arithmetic."""
-        from kvtier.benchmarks.capacity import CapacityShape, run_capacity_bench
-        from kvtier.models.tiny import ensure_tiny_model
+    shape = RolloutShape(samples=samples, gen_tokens=gen_tokens, prompt_length=prompt_length, budget=budget,
+                         buffer=buffer, policy=policy, full_seqs=full_seqs, kv_bytes=kv_bytes,
+                         temperature=temperature, server_cpus=server_cpus)
+    report = run_rollout_bench(model or str(ensure_tiny_model()), shape)
+    _print_json(report)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    if not report["valid"]:
+        raise typer.Exit(2)
 
-        shape = CapacityShape(budget=budget, buffer=buffer, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
-                              policy=policy, **({"kv_bytes": kv_bytes} if kv_bytes else {}))
-        report = run_capacity_bench(model or str(ensure_tiny_model()), shape)
-        _print_json(report)
-        if not report["valid"]:
-            raise typer.Exit(2)
+
+@bench_app.command("capacity")
+def bench_capacity(
+    budget: int = typer.Option(256),
+    buffer: int = typer.Option(64),
+    prompt_tokens: int = typer.Option(64, "--prompt-tokens"),
+    gen_tokens: int = typer.Option(640, "--gen-tokens"),
+    policy: str = typer.Option("random"),
+    kv_bytes: Optional[int] = typer.Option(None, "--kv-bytes", help="KV pool bytes (default: 32 usable blocks of the tiny model)."),
+    model: Optional[str] = typer.Option(None),
+) -> None:
+    """Largest number of concurrent sequences without preemption, measured vs block arithmetic."""
+    from kvtier.benchmarks.capacity import CapacityShape, run_capacity_bench
+    from kvtier.models.tiny import ensure_tiny_model
+
+    shape = CapacityShape(budget=budget, buffer=buffer, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
+                          policy=policy, **({"kv_bytes": kv_bytes} if kv_bytes else {}))
+    report = run_capacity_bench(model or str(ensure_tiny_model()), shape)
+    _print_json(report)
+    if not report["valid"]:
+        raise typer.Exit(2)
+
+
+@bench_app.command("table10", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_table10(ctx: typer.Context) -> None:
+    """Table 10 / 9 setting: HF batched decoding throughput + round cost at Qwen3-4B shapes, dummy weights
+    (arguments as benchmarks/gpu_table10.py: --tiny --device cpu for a smoke run)."""
+    from .gpu_table10 import main
+
+    main(list(ctx.args))
+
+
+def register(app: typer.Typer) -> None:
+    """Add `kvtier bench` to the `kvtier` CLI."""
+    from .serve_cli import register as register_serve
+
+    app.add_typer(bench_app, name="bench")
+    register_serve(app, bench_app)   # kvtier bench serve

@@ -169,7 +169,7 @@ def start_kvtier(name: str, config: dict, workdir: Path) -> ServerProcess:
     port = free_port()
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "kvtier.service.cli", "serve", "--config", str(path), "--port", str(port)]
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(path), "--port", str(port)]
     return ServerProcess(name, cmd, port, workdir / f"{name}.log")
 
 

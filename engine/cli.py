@@ -1,16 +1,19 @@
-"""`kvtier generate`: offline generation on the compressed engine (the quickest way to see it work)."""
+"""`kvtier generate`: offline generation on the compressed engine (the quickest way to see it work), and
+`kvtier calibrate`: a TriAttention calibration file for the engine's requests."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
 
-def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+def register(app: typer.Typer) -> None:
+    """Add `kvtier generate` and `kvtier calibrate` to the `kvtier` CLI."""
+
     @app.command("generate")
     def generate(
         prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text."),
@@ -54,3 +57,29 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 typer.echo(json.dumps(record))
             else:
                 typer.echo(f"--- {o.prompt[:60]!r}\n{record['text']}\n[{json.dumps(record['eviction'])}]")
+
+    # The calibration code lives with its policy (policies/triattention_calibration.py); its command is
+    # registered here because importing anything in kvtier.policies imports torch, which `kvtier --help`
+    # must not pay for.
+    @app.command("calibrate")
+    def calibrate(
+        out: Path = typer.Option(..., "--out", help="Calibration file to write (safetensors)."),
+        model: Optional[str] = typer.Option(None, help="HF model dir (default: the tiny local Qwen3)."),
+        tokens: int = typer.Option(128, help="Tokens generated per prompt (the sampled decode steps)."),
+        prompt: Optional[List[str]] = typer.Option(None, "--prompt", "-p", help="A prompt (repeatable; default: built-in)."),
+        prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="File with one prompt per line."),
+        temperature: float = typer.Option(0.0, help="0 = greedy."),
+        seed: int = typer.Option(0),
+        dtype: str = typer.Option("bfloat16", help="Model dtype for the sample (bfloat16 = as served)."),
+        device: str = typer.Option("cpu"),
+    ) -> None:
+        """TriAttention calibration (per layer and KV head) from the model's own decode steps; pass the file
+        to requests as kvtier_params={"calibration": OUT}."""
+        from kvtier.models.tiny import ensure_tiny_model
+        from kvtier.policies.triattention_calibration import run_calibrate
+
+        prompts = list(prompt or [])
+        if prompts_file is not None:
+            prompts += [l for l in prompts_file.read_text().splitlines() if l.strip()]
+        typer.echo(json.dumps(run_calibrate(model or str(ensure_tiny_model()), out, prompts=prompts or None, tokens=tokens,
+                                            temperature=temperature, seed=seed, dtype=dtype, device=device), indent=2))

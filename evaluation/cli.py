@@ -234,14 +234,6 @@ def eval_grade(response: str = typer.Argument(..., help="Model response text."),
     typer.echo(json.dumps({**asdict(grade(response, gold)), "backend": grader_backend()}))
 
 
-def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    """Add this module's commands to the `kvtier` CLI."""
+def register(app: typer.Typer) -> None:
+    """Add `kvtier eval` to the `kvtier` CLI."""
     app.add_typer(eval_app, name="eval")
-
-    @bench_app.command("table10", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def bench_table10(ctx: typer.Context) -> None:
-        """Table 10 / 9 setting: HF batched decoding throughput + round cost at Qwen3-4B shapes, dummy weights
-        (arguments as benchmarks/gpu_table10.py: --tiny --device cpu for a smoke run)."""
-        import importlib
-
-        importlib.import_module("kvtier.benchmarks.gpu_table10").main(list(ctx.args))

@@ -47,6 +47,6 @@ def push_cmd(
     typer.echo(json.dumps(results, indent=2))
 
 
-def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+def register(app: typer.Typer) -> None:
     """Add `kvtier dashboards` to the `kvtier` CLI."""
     app.add_typer(dashboards_app, name="dashboards")

@@ -1,7 +1,8 @@
-"""`kvtier rollout` commands."""
+"""`kvtier rollout demo` and `kvtier rl smoke`."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import typer
@@ -28,8 +29,48 @@ def demo(
              echo=typer.echo)
 
 
-def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    """Add this module's commands to the `kvtier` CLI."""
+rl_app = typer.Typer(no_args_is_help=True, help="RL training with verl's trainer on kvtier rollouts.")
+
+
+@rl_app.command("smoke")
+def smoke(
+    steps: int = typer.Option(3, help="Trainer steps (GRPO updates)."),
+    model: Optional[str] = typer.Option(None, help="HF model directory (default: the tiny Qwen3, built if missing)."),
+    workdir: Optional[str] = typer.Option(None, help="Where data, logs, metrics and events go (default: a temp dir)."),
+    batch_size: int = typer.Option(4, help="Prompts per step (data.train_batch_size)."),
+    n: int = typer.Option(2, help="Samples per prompt (GRPO group size)."),
+    response_length: int = typer.Option(200, help="Response tokens (the tiny model rarely stops early)."),
+    budget: int = typer.Option(64, help="K per KV head (small, so eviction happens)."),
+    buffer: int = typer.Option(16, help="r: protected recent tokens and round cadence."),
+    lr: float = typer.Option(1e-3, help="Actor learning rate (large enough that each sync changes the weights)."),
+    check_tokens: int = typer.Option(16, help="Tokens of the post-sync log-prob check (0: skip it)."),
+    timeout: float = typer.Option(1800, help="Seconds before the trainer is stopped."),
+    trainer: str = typer.Option("v1", help="v1: verl's default trainer (trainer.use_v1=true, TransferQueue, "
+                                "kvtier_sync mode); v0: its RayPPOTrainer (trainer.use_v1=false, DataProto)."),
+) -> None:
+    """Run verl's `main_ppo` (GRPO, hybrid engine, v1 or v0 trainer) on kvtier rollouts on CPU; one JSON line
+    per step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
+    from .rl_smoke import TRAINERS, run_smoke
+
+    if trainer not in TRAINERS:
+        raise typer.BadParameter(f"--trainer must be one of {', '.join(TRAINERS)}")
+    result = run_smoke(steps=steps, model=model, workdir=workdir, batch_size=batch_size, n=n,
+                       response_length=response_length, budget=budget, buffer=buffer, lr=lr,
+                       check_tokens=check_tokens, timeout=timeout, echo=typer.echo, trainer=trainer)
+    s = result["summary"]
+    versions = s["weights_versions"]
+    ok = (s["returncode"] == 0 and s["steps"] == steps
+          and all((r["eviction_events"] or 0) > 0 and _finite(r["rollout_is_mean"]) for r in result["steps"])
+          and len(versions) >= steps and all(a < b for a, b in zip(versions, versions[1:]))
+          and s["sleeps"] >= steps and s["wakes"] >= steps)
+    raise typer.Exit(0 if ok else 1)
+
+
+def _finite(x) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `kvtier rollout` and `kvtier rl` to the `kvtier` CLI."""
     app.add_typer(rollout_app, name="rollout")
-    from .rl_smoke import register as register_rl   # `kvtier rl smoke` (verl's trainer on kvtier rollouts)
-    register_rl(app)
+    app.add_typer(rl_app, name="rl")

@@ -1,4 +1,4 @@
-"""`kvtier rl smoke`: verl 0.9.1's own trainer, unmodified, running GRPO on kvtier rollouts on CPU.
+"""`kvtier rl smoke` (command in rollout/cli.py): verl 0.9.1's own trainer, unmodified, running GRPO on kvtier rollouts on CPU.
 
 Runs `python -m verl.trainer.main_ppo --config-name kvtier_grpo` (configs/rollout/kvtier_grpo.yaml) in a
 subprocess, on the tiny model, in verl's default setup: the v1 trainer (`trainer.use_v1=true`, TransferQueue),
@@ -31,15 +31,12 @@ prints one JSON line per step and a final summary.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
-
-import typer
+from typing import Any
 
 EXTERNAL_MODULES = "kvtier.rollout.cpu_platform,kvtier.rollout.verl_plugin,kvtier.rollout.rl_smoke_hooks"
 TRAINER_MODE = "kvtier_sync"
@@ -323,47 +320,3 @@ def _read_events(path: Path) -> list[dict]:
     from kvtier.rollout.rl_smoke_hooks import read_events
 
     return read_events(str(path))
-
-
-def _finite(x) -> bool:
-    return x is not None and math.isfinite(x)
-
-
-# -- CLI ----------------------------------------------------------------------------------------------------
-rl_app = typer.Typer(no_args_is_help=True, help="RL training with verl's trainer on kvtier rollouts.")
-
-
-@rl_app.command("smoke")
-def smoke(
-    steps: int = typer.Option(3, help="Trainer steps (GRPO updates)."),
-    model: Optional[str] = typer.Option(None, help="HF model directory (default: the tiny Qwen3, built if missing)."),
-    workdir: Optional[str] = typer.Option(None, help="Where data, logs, metrics and events go (default: a temp dir)."),
-    batch_size: int = typer.Option(4, help="Prompts per step (data.train_batch_size)."),
-    n: int = typer.Option(2, help="Samples per prompt (GRPO group size)."),
-    response_length: int = typer.Option(200, help="Response tokens (the tiny model rarely stops early)."),
-    budget: int = typer.Option(64, help="K per KV head (small, so eviction happens)."),
-    buffer: int = typer.Option(16, help="r: protected recent tokens and round cadence."),
-    lr: float = typer.Option(1e-3, help="Actor learning rate (large enough that each sync changes the weights)."),
-    check_tokens: int = typer.Option(16, help="Tokens of the post-sync log-prob check (0: skip it)."),
-    timeout: float = typer.Option(1800, help="Seconds before the trainer is stopped."),
-    trainer: str = typer.Option("v1", help="v1: verl's default trainer (trainer.use_v1=true, TransferQueue, "
-                                "kvtier_sync mode); v0: its RayPPOTrainer (trainer.use_v1=false, DataProto)."),
-) -> None:
-    """Run verl's `main_ppo` (GRPO, hybrid engine, v1 or v0 trainer) on kvtier rollouts on CPU; one JSON line
-    per step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
-    if trainer not in TRAINERS:
-        raise typer.BadParameter(f"--trainer must be one of {', '.join(TRAINERS)}")
-    result = run_smoke(steps=steps, model=model, workdir=workdir, batch_size=batch_size, n=n,
-                       response_length=response_length, budget=budget, buffer=buffer, lr=lr,
-                       check_tokens=check_tokens, timeout=timeout, echo=typer.echo, trainer=trainer)
-    s = result["summary"]
-    versions = s["weights_versions"]
-    ok = (s["returncode"] == 0 and s["steps"] == steps
-          and all((r["eviction_events"] or 0) > 0 and _finite(r["rollout_is_mean"]) for r in result["steps"])
-          and len(versions) >= steps and all(a < b for a, b in zip(versions, versions[1:]))
-          and s["sleeps"] >= steps and s["wakes"] >= steps)
-    raise typer.Exit(0 if ok else 1)
-
-
-def register(app: typer.Typer, bench_app: typer.Typer | None = None) -> None:
-    app.add_typer(rl_app, name="rl")

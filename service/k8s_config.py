@@ -272,8 +272,3 @@ def serve_config_cmd(
     if drift:
         typer.echo(f"{drift} overlay serve config(s) out of date: run `{COMMAND}`", err=True)
         raise typer.Exit(1)
-
-
-def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    """Add `kvtier k8s` to the `kvtier` CLI."""
-    app.add_typer(k8s_app, name="k8s")

@@ -118,8 +118,3 @@ def serve_command(
             prom.stop()
         stop(running)
         typer.echo(f"kvtier serve: stopped ({time.monotonic() - t0:.0f} s)")
-
-
-def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    """Add this module's commands to the `kvtier` CLI."""
-    app.command("serve")(serve_command)

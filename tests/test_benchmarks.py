@@ -8,7 +8,7 @@ import sys
 
 def run_json(args):
     """Run `kvtier ARGS` in a fresh process (as a user would) and parse its JSON output."""
-    proc = subprocess.run([sys.executable, "-m", "kvtier.service.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout[proc.stdout.index("{"):])

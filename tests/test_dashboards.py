@@ -206,7 +206,7 @@ def test_export_is_stable_and_matches_the_committed_copy(tmp_path):
 def test_cli_export(tmp_path):
     from typer.testing import CliRunner
 
-    from kvtier.service.cli import app
+    from kvtier.cli import app
 
     res = CliRunner().invoke(app, ["dashboards", "export", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
@@ -295,7 +295,7 @@ def test_push_uploads_every_dashboard_with_the_token(grafana_stub, built):
 def test_cli_push_into_a_new_folder(grafana_stub, built):
     from typer.testing import CliRunner
 
-    from kvtier.service.cli import app
+    from kvtier.cli import app
 
     url = f"http://127.0.0.1:{grafana_stub.server_address[1]}"
     res = CliRunner().invoke(app, ["dashboards", "push", "--url", url, "--token", "s3cret", "--folder", "kvtier LLM"])
@@ -320,7 +320,7 @@ def test_cli_push_into_a_new_folder(grafana_stub, built):
 def test_cli_push_reports_a_refusal(grafana_stub):
     from typer.testing import CliRunner
 
-    from kvtier.service.cli import app
+    from kvtier.cli import app
 
     url = f"http://127.0.0.1:{grafana_stub.server_address[1]}"
     res = CliRunner().invoke(app, ["dashboards", "push", "--url", url, "--token", "wrong"])

@@ -29,7 +29,7 @@ POLICIES = ["h2o", "rkv", "vase", "triattention", "diverse"]
 @pytest.fixture(scope="module")
 def calibration_path(tiny_model_dir, tmp_path_factory):
     """A TriAttention calibration of the tiny model from its own decode steps (what `kvtier calibrate` does)."""
-    from kvtier.engine.calibrate import run_calibrate
+    from kvtier.policies.triattention_calibration import run_calibrate
 
     path = tmp_path_factory.mktemp("calib") / "tiny.safetensors"
     info = run_calibrate(tiny_model_dir, path, prompts=[PROMPT, "Hello world, the answer is "], tokens=48)

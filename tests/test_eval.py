@@ -242,7 +242,7 @@ def test_eval_pipeline_end_to_end_on_the_vllm_engine(vllm_engine, tiny_model_dir
 def test_eval_cli_end_to_end_on_the_reference_engine(tiny_model_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from kvtier.service.cli import app
+    from kvtier.cli import app
 
     out = tmp_path / "ref"
     res = CliRunner().invoke(app, [

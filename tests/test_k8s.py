@@ -234,8 +234,8 @@ def test_overlay_args_are_generated_from_their_source(overlay):
 def test_serve_config_check_catches_drift_and_stale_overrides(tmp_path):
     from typer.testing import CliRunner
 
+    from kvtier.cli import app
     from kvtier.service import k8s_config
-    from kvtier.service.cli import app
 
     result = CliRunner().invoke(app, ["k8s", "serve-config", "--check"])
     assert result.exit_code == 0, result.output

@@ -40,7 +40,7 @@ LOGPROB_TOL = 0.06
 
 def _kvtier_cmd() -> list[str]:
     script = Path(sys.executable).with_name("kvtier")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvtier.service.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvtier.cli"]
 
 
 def _run_smoke(work: Path, steps: int, *args: str) -> dict:

@@ -270,7 +270,7 @@ def test_keys_map_to_tenants_and_their_tiers(monkeypatch):
 def test_serve_cli_rejects_a_bad_config_before_starting_anything(tmp_path):
     from typer.testing import CliRunner
 
-    from kvtier.service.cli import app
+    from kvtier.cli import app
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("engines: {cpu: {max_model_len: 64}}\ntiers: [{name: x, engine: gpu}]\n")
