@@ -7,8 +7,11 @@ import os
 import time
 from dataclasses import dataclass, field
 
-TINY_BLOCK_TOKENS = 128  # vLLM's CPU KV block size
-TINY_BLOCK_BYTES = 4 * 2 * 64 * 2 * 2 * TINY_BLOCK_TOKENS  # tiny Qwen3: layers * kv_heads * head_dim * (K,V) * bf16 * block
+from kvtier.models.tiny import TINY_CONFIG
+from kvtier.service.sizing import CPU_BLOCK_SIZE, kv_bytes_per_token
+
+TINY_BLOCK_TOKENS = CPU_BLOCK_SIZE   # the CPU benchmarks run the tiny model with vLLM's CPU KV block size
+TINY_BLOCK_BYTES = kv_bytes_per_token(TINY_CONFIG) * TINY_BLOCK_TOKENS   # one bfloat16 KV block of the tiny Qwen3
 
 
 @dataclass

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from .config import ServiceConfig
 
@@ -20,9 +22,10 @@ MAX_AUTO_SEQS = 256            # vLLM's own default batch limit on a GPU
 CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16   # vLLM 0.31's default block sizes per platform
 
 
-def kv_bytes_per_token(model_path: str, dtype_bytes: int = 2) -> int:
-    """K and V of one token over all layers, from the model's config.json (bfloat16 unless told)."""
-    hf = json.loads((Path(model_path) / "config.json").read_text())
+def kv_bytes_per_token(model: str | Path | Mapping[str, Any], dtype_bytes: int = 2) -> int:
+    """K and V of one token over all layers (bfloat16 unless told), from a model directory's config.json or
+    a config given as a mapping (e.g. kvtier.models.tiny.TINY_CONFIG)."""
+    hf = model if isinstance(model, Mapping) else json.loads((Path(model) / "config.json").read_text())
     hf = hf.get("text_config", hf)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads", hf["num_attention_heads"])
