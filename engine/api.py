@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .config import EngineEvictionConfig, EvictionSpec
+from .config import EngineEvictionConfig, encode_request_args
 
 logger = logging.getLogger("kvtier.engine")
 
@@ -49,11 +49,11 @@ def build_llm(model: str, *, eviction: dict | EngineEvictionConfig | None = None
     return llm
 
 
-def sampling_extra_args(spec: EvictionSpec | dict | None = None, **overrides: Any) -> dict[str, Any]:
-    """`SamplingParams.extra_args` for a request: {'kvtier_budget': 256, 'kvtier_policy': 'random', ...}."""
-    fields = spec.model_dump(exclude_defaults=True) if isinstance(spec, EvictionSpec) else dict(spec or {})
-    fields.update(overrides)
-    return {f"kvtier_{k}": v for k, v in fields.items() if v is not None}
+def sampling_extra_args(**fields: Any) -> dict[str, Any]:
+    """`SamplingParams.extra_args` overriding only the fields given (the engine default supplies the rest):
+    sampling_extra_args(budget=256) -> {'kvtier_budget': 256}. Values are passed on unvalidated (the engine
+    validates them). A whole request spec: `EvictionSpec.to_extra_args()`."""
+    return encode_request_args(fields)
 
 
 def _worker_stats(worker, request_ids=None):

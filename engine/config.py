@@ -7,9 +7,12 @@ import json
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvtier.policies import EvictionPolicy, EvictionSchedule, PolicyError, make_policy
+
+FULL = "full"  # the budget that means full attention (requests, tiers)
 
 # Request keys accepted in SamplingParams.extra_args (and OpenAI `vllm_xargs`).
 REQUEST_KEYS = {
@@ -28,22 +31,44 @@ class EvictionConfigError(ValueError):
     """Bad eviction configuration; the message names the field."""
 
 
-class EvictionSpec(BaseModel):
-    """What one request is served with. budget=None means full attention (no eviction)."""
+class EvictionSettings(BaseModel):
+    """How to evict, less the budget: the fields a request spec (`EvictionSpec`) and a service tier
+    (`kvtier.service.config.TierConfig`) share, declared once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # A registered policy name (what requests and configs carry) or, in-process only, a policy instance
+    # (the reference engine's probes run pinned policies that are not in the registry).
+    policy: str | InstanceOf[EvictionPolicy] = "random"
+    buffer: int = Field(default=64, gt=0)          # r: recent positions never evicted, rounds every r steps
+    protect_prompt: bool | None = None
+    sinks: int | None = Field(default=None, ge=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("policy", mode="plain")
+    @classmethod
+    def _name_or_instance(cls, v):
+        if isinstance(v, (str, EvictionPolicy)):
+            return v
+        raise PydanticCustomError("string_type", "Input should be a valid string")  # pydantic's own str error
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy if isinstance(self.policy, str) else getattr(self.policy, "name", type(self.policy).__name__)
+
+
+class EvictionSpec(EvictionSettings):
+    """What one request is served with, on the vLLM engine and on the reference engine alike.
+    budget=None means full attention (no eviction)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    policy: str = "random"
     budget: int | None = Field(default=None, gt=0)
-    buffer: int = Field(default=64, gt=0)
-    protect_prompt: bool | None = None
     # Protect only the first N prompt tokens (None: the policy's rule, i.e. the whole prompt when
     # protect_prompt is on). Multi-turn requests (resent history) and resumed partial rollouts set it to
     # the first turn / original prompt, so a context longer than K can still run compressed.
     protect_prefix: int | None = Field(default=None, ge=0)
-    sinks: int | None = Field(default=None, ge=0)
     seed: int | None = None
-    params: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("params", mode="before")
     @classmethod
@@ -63,7 +88,15 @@ class EvictionSpec(BaseModel):
         return EvictionSchedule(budget=self.budget, buffer=self.buffer)
 
     def make_policy(self) -> EvictionPolicy:
-        return _policy(self.policy, json.dumps(self.policy_kwargs(), sort_keys=True))
+        """The policy instance (shared between identical specs: policies hold no per-request state)."""
+        if not isinstance(self.policy, str):
+            return self.policy
+        kw = self.policy_kwargs()
+        try:
+            key = json.dumps(kw, sort_keys=True)
+        except TypeError:  # parameters that are not JSON (in-process callers' objects): built uncached
+            return make_policy(self.policy, **kw)
+        return _policy(self.policy, key)
 
     def policy_kwargs(self) -> dict[str, Any]:
         kw = dict(self.params)
@@ -75,6 +108,20 @@ class EvictionSpec(BaseModel):
             kw["sinks"] = self.sinks
         return kw
 
+    def to_extra_args(self, *, xargs: bool = False) -> dict[str, Any]:
+        """This spec as `SamplingParams.extra_args`: the whole request, never relying on the engine default.
+        Full attention: {"kvtier_budget": "full"}. Compressed: budget, policy and buffer always, the optional
+        fields when set. xargs=True: OpenAI `vllm_xargs` form (str/int/float only: protect_prompt as 0/1,
+        params as a JSON string)."""
+        if not self.compressed:
+            return {"kvtier_budget": FULL}
+        if not isinstance(self.policy, str):
+            raise PolicyError("a policy instance cannot be sent to the vLLM engine; use a registered name")
+        return encode_request_args({
+            "budget": self.budget, "policy": self.policy, "buffer": self.buffer,
+            "protect_prompt": self.protect_prompt, "protect_prefix": self.protect_prefix, "sinks": self.sinks,
+            "seed": self.seed, "params": self.params or None}, xargs=xargs)
+
     def max_blocks(self, prompt_len: int, max_tokens: int, block_size: int) -> int:
         """Blocks this request can ever hold: the cache never exceeds max(prompt, K + 2r) entries (a prompt
         longer than K + 2r, possible with protect_prefix, is compacted to K + r at the first decode step,
@@ -83,6 +130,21 @@ class EvictionSpec(BaseModel):
         if self.compressed:
             total = min(total, max(prompt_len, self.budget + 2 * self.buffer))
         return -(-total // block_size)
+
+
+def encode_request_args(fields: dict[str, Any], *, xargs: bool = False) -> dict[str, Any]:
+    """Spec fields -> `kvtier_<field>` request keys; None values are left out (the engine default applies).
+    No validation here: the engine validates what it receives (`resolve_request_spec`)."""
+    out = {}
+    for k, v in fields.items():
+        if v is None:
+            continue
+        if xargs and isinstance(v, bool):
+            v = int(v)
+        elif xargs and isinstance(v, dict):
+            v = json.dumps(v, sort_keys=True)
+        out[f"kvtier_{k}"] = v
+    return out
 
 
 @lru_cache(maxsize=256)
@@ -128,7 +190,7 @@ def resolve_request_spec(default: EvictionSpec, extra_args: dict[str, Any] | Non
     overrides = {REQUEST_KEYS[k]: v for k, v in extra_args.items() if k in REQUEST_KEYS}
     if not overrides:
         return default
-    if overrides.get("budget") in ("full", "none", 0) or ("budget" in overrides and overrides["budget"] is None):
+    if overrides.get("budget") in (FULL, "none", 0) or ("budget" in overrides and overrides["budget"] is None):
         overrides["budget"] = None
     merged = {**default.model_dump(), **overrides}
     if "policy" in overrides and "params" not in overrides:

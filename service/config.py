@@ -14,11 +14,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvtier.engine.config import EngineEvictionConfig
+from kvtier.engine.config import FULL, EngineEvictionConfig, EvictionSettings, EvictionSpec
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 TINY_MODEL = "tiny"  # engines.<name>.model: build/use the deterministic tiny Qwen3 (kvtier.models.tiny)
-FULL = "full"
 
 
 class ConfigError(ValueError):
@@ -68,17 +67,16 @@ class EngineConfig(_Model):
         return v
 
 
-class TierConfig(_Model):
-    """A memory tier: a KV budget (or full attention) and a policy, served by one engine deployment."""
+class TierConfig(EvictionSettings):
+    """A memory tier: a KV budget (or full attention) and a policy, served by one engine deployment.
+    The eviction fields (policy, buffer, protect_prompt, sinks, params) are the request spec's own;
+    `spec` is the request this tier sends."""
+
+    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     engine: str
     budget: int | Literal["full"] = FULL
-    policy: str = "random"
-    buffer: int = Field(default=64, gt=0)          # r: recent positions never evicted, rounds every r steps
-    protect_prompt: bool | None = None
-    sinks: int | None = Field(default=None, ge=0)
-    params: dict[str, Any] = Field(default_factory=dict)
     auto: bool = True                               # the router may pick it; False: explicit requests only
     tenants: list[str] | Literal["*"] = "*"         # who may use it (tenant names), "*" = everyone
     description: str = ""
@@ -94,20 +92,15 @@ class TierConfig(_Model):
     def compressed(self) -> bool:
         return self.budget != FULL
 
+    @property
+    def spec(self) -> EvictionSpec:
+        """The request spec of this tier (budget 'full' -> None)."""
+        settings = {k: getattr(self, k) for k in EvictionSettings.model_fields}
+        return EvictionSpec(budget=self.budget if self.compressed else None, **settings)
+
     def extra_args(self) -> dict[str, Any]:
         """`vllm_xargs` for requests of this tier (OpenAI vllm_xargs carry str/int/float only)."""
-        import json
-
-        if not self.compressed:
-            return {"kvtier_budget": FULL}
-        out: dict[str, Any] = {"kvtier_budget": self.budget, "kvtier_policy": self.policy, "kvtier_buffer": self.buffer}
-        if self.protect_prompt is not None:
-            out["kvtier_protect_prompt"] = int(self.protect_prompt)
-        if self.sinks is not None:
-            out["kvtier_sinks"] = self.sinks
-        if self.params:
-            out["kvtier_params"] = json.dumps(self.params, sort_keys=True)
-        return out
+        return self.spec.to_extra_args(xargs=True)
 
 
 class TenantConfig(_Model):
