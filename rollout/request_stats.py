@@ -1,0 +1,60 @@
+"""Per-sample eviction counters on the rollout server: read from the engine's worker after a request
+finishes (lookups of concurrently finishing requests coalesced) and returned in `TokenOutput.extra_fields`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .settings import KVTierRolloutSettings
+
+logger = logging.getLogger("kvtier.rollout")
+
+# TokenOutput.extra_fields keys (one value per sample; verl's agent loop turns each into a column of
+# DataProto.non_tensor_batch). Counters are None for requests the engine did not compress.
+STAT_FIELDS = {
+    "kvtier_eviction_events": "events",          # eviction rounds applied to this sample
+    "kvtier_tokens_evicted": "tokens_evicted",   # per KV head (each head evicts the same count)
+    "kvtier_peak_kv_blocks": "peak_blocks",      # most KV blocks the sample ever held
+    "kvtier_preemptions": "preemptions",
+}
+
+
+class StatsFetcher:
+    """Coalesces the per-request counter look-ups of concurrently finishing requests into one
+    `collective_rpc` (the engine core serves utility calls between steps)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.pending: dict[str, list[asyncio.Future]] = {}
+        self.task: asyncio.Task | None = None
+
+    async def get(self, request_id: str) -> dict | None:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.setdefault(request_id, []).append(fut)
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        while self.pending:
+            batch, self.pending = self.pending, {}
+            try:
+                results = await self.engine.collective_rpc("kvtier_request_stats", args=(list(batch),))
+                found = results[0] if results else {}
+            except Exception:  # counters are best effort; generation results must not fail on them
+                logger.exception("kvtier: reading eviction counters failed")
+                found = {}
+            for rid, futs in batch.items():
+                for f in futs:
+                    if not f.done():
+                        f.set_result(found.get(rid))
+
+
+def request_budget(settings: KVTierRolloutSettings, params) -> int | None:
+    """K of this request (vLLM SamplingParams with kvtier's extra_args); None: full attention or eviction off."""
+    from kvtier.engine.config import resolve_request_spec
+
+    if not settings.eviction.enabled:
+        return None
+    return resolve_request_spec(settings.eviction.default, params.extra_args).budget
