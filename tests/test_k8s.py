@@ -1,10 +1,9 @@
 """Kubernetes deployment (issue 8), validated offline: `kubectl kustomize` of the base and every overlay, every
 object against its schema (core kinds: kubernetes-validate for 1.32; RayService and Prometheus-operator CRs:
-the CRDs' openAPIV3Schema from ../shared/k8s-schemas/), serveConfigV2 as a Ray Serve config whose application
+the CRDs' openAPIV3Schema, vendored in k8s/schemas/), serveConfigV2 as a Ray Serve config whose application
 args are kvtier's ServiceConfig, security defaults, monitoring wiring and the container image definition.
 
-Needs kubectl (with kustomize) on PATH; skips only without it. Set KVTIER_SHARED to the shared folder if it is
-not next to the repository."""
+Needs kubectl (with kustomize) on PATH; skips only without it."""
 
 from __future__ import annotations
 
@@ -93,8 +92,9 @@ def quantity(v) -> float:
 
 
 # -- schemas -----------------------------------------------------------------------------------------
-def shared_dir() -> Path:
-    return Path(os.environ.get("KVTIER_SHARED") or REPO.parent / "shared")
+def schemas_dir() -> Path:
+    """The CRD schemas vendored in k8s/schemas/ (KVTIER_K8S_SCHEMAS overrides, e.g. newer upstream copies)."""
+    return Path(os.environ.get("KVTIER_K8S_SCHEMAS") or REPO / "k8s" / "schemas")
 
 
 def _strict(schema):
@@ -114,8 +114,8 @@ def _strict(schema):
 @functools.lru_cache(maxsize=None)
 def crd_validator(group: str, kind: str, version: str):
     import jsonschema
-    path = shared_dir() / "k8s-schemas" / CRD_FILES[(group, kind)]
-    assert path.exists(), f"{path} missing: set KVTIER_SHARED to the folder holding k8s-schemas/"
+    path = schemas_dir() / CRD_FILES[(group, kind)]
+    assert path.exists(), f"{path} missing: set KVTIER_K8S_SCHEMAS to a folder holding the CRD files"
     crd = yaml.load(path.read_text(), Loader=_Loader)
     assert crd["spec"]["names"]["kind"] == kind
     versions = {v["name"]: v for v in crd["spec"]["versions"]}
