@@ -16,7 +16,7 @@ from kvtier.evaluation.reference_engine import EvictSpec, ReferenceEngine, Reque
 from kvtier.evaluation.stats import bootstrap_replicates, compare, paired_bootstrap, sign_test
 
 REPO = Path(__file__).resolve().parents[1]
-TASKS = REPO / "evaluation" / "data" / "synthetic_math.jsonl"
+TASKS = REPO / "src" / "kvtier" / "evaluation" / "data" / "synthetic_math.jsonl"
 
 
 @pytest.fixture(scope="module", autouse=True)

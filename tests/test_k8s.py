@@ -22,6 +22,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
+CONFIGS = Path("src") / "kvtier" / "configs"     # the service configs (package data), relative to REPO
 OVERLAYS = ("cpu-dev", "gpu")
 TARGETS = ("base",) + OVERLAYS
 K8S_VERSION = "1.32"
@@ -212,12 +213,12 @@ def test_every_overlay_declares_the_source_of_its_serve_config():
     on_disk = {p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists()}
     assert set(k8s_config.load_overlays(REPO)) == set(OVERLAYS) == on_disk
     for ov in k8s_config.load_overlays(REPO).values():
-        assert ov.source.parts[0] == "configs" and (REPO / ov.source).is_file(), ov
+        assert ov.source.parent == CONFIGS and (REPO / ov.source).is_file(), ov
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_args_are_generated_from_their_source(overlay):
-    """The committed args are the declared configs/*.yaml plus the overlay's overrides, nothing else."""
+    """The committed args are the declared src/kvtier/configs/*.yaml plus the overlay's overrides, nothing else."""
     import difflib
 
     from kvtier.service import k8s_config
@@ -240,18 +241,18 @@ def test_serve_config_check_catches_drift_and_stale_overrides(tmp_path):
     result = CliRunner().invoke(app, ["k8s", "serve-config", "--check"])
     assert result.exit_code == 0, result.output
 
-    for rel in [k8s_config.SOURCES, *(p.relative_to(REPO) for p in (REPO / "configs").glob("*.yaml")),
+    for rel in [k8s_config.SOURCES, *(p.relative_to(REPO) for p in (REPO / CONFIGS).glob("*.yaml")),
                 *(p.relative_to(REPO) for p in K8S.glob("overlays/*/serve-config.yaml"))]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / rel, tmp_path / rel)
     assert k8s_config.stale(tmp_path) == []
 
-    gpu = tmp_path / "configs" / "gpu.yaml"
+    gpu = tmp_path / CONFIGS / "gpu.yaml"
     gpu.write_text(gpu.read_text().replace("budget: 2048", "budget: 2560"))
     assert [ov.name for ov, _, _ in k8s_config.stale(tmp_path)] == ["gpu"]
 
     # an override equal to the source, or deleting a key it lacks, is refused (it would hide a drift)
-    local = tmp_path / "configs" / "local.yaml"
+    local = tmp_path / CONFIGS / "local.yaml"
     local.write_text(local.read_text().replace("host: 127.0.0.1", "host: 0.0.0.0"))
     with pytest.raises(k8s_config.K8sConfigError, match=r"server\.host"):
         k8s_config.stale(tmp_path, ["cpu-dev"])

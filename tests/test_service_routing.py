@@ -8,7 +8,7 @@ from kvtier.service.auth import OPEN_TENANT, Authenticator, AuthError
 from kvtier.service.config import ConfigError, load_config, parse_bytes, parse_config
 from kvtier.service.routing import EngineLoad, RequestShape, RouteError, aggregate_loads, engine_load, kv_bound, route
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "src" / "kvtier" / "configs"
 
 
 def make_cfg(**over):

@@ -127,7 +127,7 @@ def test_ensure_tiny_model_builds_once(tmp_path, monkeypatch):
 
 def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("KVTIER_TINY_MODEL", raising=False)
-    assert tiny.default_tiny_model_dir() == Path(tiny.__file__).resolve().parents[1] / "artifacts" / "tiny-qwen3"
+    assert tiny.default_tiny_model_dir() == Path(tiny.__file__).resolve().parents[3] / "artifacts" / "tiny-qwen3"
     monkeypatch.setenv("KVTIER_TINY_MODEL", str(tmp_path / "m"))
     assert tiny.default_tiny_model_dir() == tmp_path / "m"
     assert tiny.default_tiny_model_dir(seed=3) == tmp_path / "m-seed3"

@@ -258,7 +258,7 @@ def default_tiny_model_dir(seed: int = 0) -> Path:
     different seeds never overwrite each other.
     """
     env = os.environ.get("KVTIER_TINY_MODEL")
-    base = Path(env) if env else Path(__file__).resolve().parents[1] / "artifacts" / "tiny-qwen3"
+    base = Path(env) if env else Path(__file__).resolve().parents[3] / "artifacts" / "tiny-qwen3"
     return base if seed == 0 else base.with_name(f"{base.name}-seed{seed}")
 
 

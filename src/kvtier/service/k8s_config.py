@@ -1,5 +1,5 @@
 """`kvtier k8s serve-config`: each kustomize overlay's Ray Serve application args, generated from one service
-config (configs/*.yaml) plus the overlay's deployment-specific overrides.
+config (src/kvtier/configs/*.yaml) plus the overlay's deployment-specific overrides.
 
 k8s/serve-config-sources.yaml declares, per overlay, the source config and the overrides (a JSON merge
 patch, RFC 7386: mappings merge key by key, `null` deletes a key, any other value, lists included, replaces).
@@ -23,7 +23,7 @@ from typing import Any, Optional
 import typer
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]      # the checkout (src/kvtier/service/k8s_config.py)
 SOURCES = Path("k8s") / "serve-config-sources.yaml"
 OVERLAYS = Path("k8s") / "overlays"
 COMMAND = "kvtier k8s serve-config"
@@ -56,7 +56,7 @@ def load_overlays(root: Path = REPO) -> dict[str, Overlay]:
     out = {}
     for name, decl in overlays.items():
         if not isinstance(decl, dict) or not isinstance(decl.get("source"), str):
-            raise K8sConfigError(f"{path}: overlays.{name}: `source: configs/<file>.yaml` is required")
+            raise K8sConfigError(f"{path}: overlays.{name}: `source: src/kvtier/configs/<file>.yaml` is required")
         if extra := sorted(set(decl) - {"source", "overrides"}):
             raise K8sConfigError(f"{path}: overlays.{name}: unknown keys {extra} (source, overrides)")
         overrides = decl.get("overrides") or {}
@@ -234,8 +234,8 @@ def serve_config_cmd(
     check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 (with a diff) if a file is stale."),
     stdout: bool = typer.Option(False, "--stdout", help="Print the generated serve-config.yaml instead of writing."),
 ) -> None:
-    """Generate each overlay's serve-config.yaml `applications[0].args` from its configs/*.yaml source plus
-    the overrides declared in k8s/serve-config-sources.yaml."""
+    """Generate each overlay's serve-config.yaml `applications[0].args` from its src/kvtier/configs/*.yaml source
+    plus the overrides declared in k8s/serve-config-sources.yaml."""
     try:
         overlays = load_overlays(REPO)
         names = list(overlay or sorted(overlays))
