@@ -3,13 +3,13 @@
 Same measurement and JSON as `kvtier bench compaction` (kvtier.benchmarks.compaction): ms per engine step
 for compacting every due request (selection + hole-filling row copies + slot maps) on a paged cache at
 Qwen3-4B shapes, against a full per-head gather, with a bit-exactness check per cell. It needs torch
-(and numpy) only: the repository root is the `kvtier` package, so when `import kvtier` fails this script
-loads the checkout under that name (no install, no PYTHONPATH, no symlink needed).
+(and numpy) only: run it as a module from the checkout's `src/` (no install needed; what it imports pulls
+in no vLLM, pydantic, typer or Ray).
 
 On the H200 (device `run` tool, repository root, no carry; JSON to $OUT, rewritten after every cell so
 a run stopped by its timeout still returns the cells it finished; progress lines on stderr):
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_compaction.py --repeats 5 --out $OUT/compaction-h200.json
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python3 -m kvtier.benchmarks.gpu_compaction --repeats 5 --out $OUT/compaction-h200.json
 
 with timeout_s=270. Defaults: --device cuda --requests 1,64,256 --budgets 1024,2048 --layouts flash,cpu
 --policies random,snapkv,rkv. At K=2048 the 256-request cell holds an 82 GB cache; it fits the H200
@@ -17,32 +17,15 @@ because the pristine cache is regenerated per layer from its seed instead of clo
 above 75% of free device memory (the `cpu` layout's one-element rows at 256 x 2048: int64 row indices
 of ~39 GB on top of the cache) are listed under `skipped`. Not run on a GPU yet (no device in the
 session that wrote it): if time runs short, `--layouts flash` first.
-CPU smoke test: `python benchmarks/gpu_compaction.py --tiny --device cpu`.
+CPU smoke test: `PYTHONPATH=src python -m kvtier.benchmarks.gpu_compaction --tiny --device cpu`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
-
-
-def _import_kvtier() -> None:
-    """`import kvtier` from an installed package, else from this checkout (the repo root is the package)."""
-    try:
-        importlib.import_module("kvtier.engine.paged_compaction")
-        return
-    except ImportError:
-        pass
-    for name in [m for m in sys.modules if m == "kvtier" or m.startswith("kvtier.")]:
-        del sys.modules[name]
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("kvtier", root / "__init__.py", submodule_search_locations=[str(root)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kvtier"] = mod
-    spec.loader.exec_module(mod)
 
 
 def parse_args(argv=None):
@@ -71,7 +54,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    _import_kvtier()
     import torch
 
     from kvtier.benchmarks.compaction import CompactionShapes, run_compaction_bench

@@ -15,37 +15,20 @@ What it measures (prints one JSON object):
 
 Weights are random (built from a Qwen3Config; nothing is downloaded), so tokens are meaningless; the
 arithmetic and memory traffic are the real model's. It needs torch and transformers only (no vLLM), and
-imports kvtier from this checkout. CPU smoke test: ``--tiny --device cpu``.
+runs as a module from the checkout's `src/` (no install needed). CPU smoke test: ``--tiny --device cpu``.
 
-    python benchmarks/gpu_table10.py                      # H200, < 5 min
-    python benchmarks/gpu_table10.py --tiny --device cpu  # seconds
+    PYTHONPATH=src python -m kvtier.benchmarks.gpu_table10                      # H200, < 5 min
+    PYTHONPATH=src python -m kvtier.benchmarks.gpu_table10 --tiny --device cpu  # seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 import time
-from pathlib import Path
 
 QWEN3_4B = dict(layers=36, hidden=2560, heads=32, kv_heads=8, head_dim=128, intermediate=9728, vocab=151936)
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512)
-
-
-def _import_kvtier():
-    """`import kvtier` from an installed package, else from this checkout (the repo root is the package)."""
-    try:
-        import kvtier.evaluation.reference_engine  # noqa: F401
-        return
-    except ImportError:
-        pass
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("kvtier", root / "__init__.py", submodule_search_locations=[str(root)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kvtier"] = mod
-    spec.loader.exec_module(mod)
 
 
 def parse_args(argv=None):
@@ -256,7 +239,6 @@ def run_method(engine, method: str, a, device, gen, profile: int = 0) -> dict:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    _import_kvtier()
     import torch
     import transformers
 
