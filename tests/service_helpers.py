@@ -33,7 +33,7 @@ def service_env(**extra: str) -> dict[str, str]:
 
 class ServeProcess:
     """`kvtier serve --config FILE --port N` in its own session (process group); output goes to a log file.
-    config=None: the embedded default (configs/local.yaml). as_background_job: start with SIGINT ignored,
+    config=None: the embedded default (src/kvtier/configs/local.yaml). as_background_job: start with SIGINT ignored,
     as a shell's background job (`kvtier serve &`) is."""
 
     def __init__(self, config: dict | None, tmp: Path, name: str = "service", env: dict[str, str] | None = None,

@@ -1,7 +1,7 @@
 """`kvtier bench rollout` at a tiny size: one batch through verl's agent loop on the kvtier backend, compressed
 vs full attention on one engine. The JSON is complete, both arms generate the same tokens, only the compressed
 arm evicts and its requests are never preempted (reserve admission). No timings asserted: speed claims come
-from the benchmark run itself (benchmarks/results/rollout-cpu-*.json)."""
+from the benchmark run itself (results/rollout-cpu-*.json)."""
 
 import json
 

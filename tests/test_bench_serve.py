@@ -1,7 +1,7 @@
 """`kvtier bench serve` end to end at a tiny size: stock vLLM's OpenAI server and kvtier serve (tier `full`
 by header, and kvtier's routing) driven by vLLM's own serving benchmark, on a pool too small for the
 stock server (it must preempt) but not for the compressed tier (it must evict instead). No timing is
-asserted: speed claims come from the benchmark runs (benchmarks/results/serve-*.json)."""
+asserted: speed claims come from the benchmark runs (results/serve-*.json)."""
 
 import json
 

@@ -1,5 +1,5 @@
 """verl's own trainer, unmodified, runs GRPO on kvtier rollouts on CPU: `kvtier rl smoke --steps 3` runs
-`python -m verl.trainer.main_ppo` with configs/rollout/kvtier_grpo.yaml (v1 trainer, sync mode, hybrid
+`python -m verl.trainer.main_ppo` with src/kvtier/configs/rollout/kvtier_grpo.yaml (v1 trainer, sync mode, hybrid
 engine) on the tiny model, in a subprocess, and prints one JSON line per step plus a summary.
 
 One run (a few minutes on 2 cores), every claim checked from its JSON: 3 steps; eviction events in every

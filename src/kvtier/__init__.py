@@ -1,6 +1,6 @@
 """kvtier: serve long-reasoning LLMs and RL rollouts under a bounded KV cache.
 
-The repository root is the `kvtier` package (see pyproject's package-dir mapping); each top-level
+The package is src/kvtier/ in the repository (src layout, see pyproject.toml); each top-level
 folder is one subpackage. Dependencies point one way: policies <- engine <- service, rollout.
 """
 

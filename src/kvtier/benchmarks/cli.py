@@ -174,7 +174,7 @@ def bench_capacity(
 @bench_app.command("table10", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_table10(ctx: typer.Context) -> None:
     """Table 10 / 9 setting: HF batched decoding throughput + round cost at Qwen3-4B shapes, dummy weights
-    (arguments as benchmarks/gpu_table10.py: --tiny --device cpu for a smoke run)."""
+    (arguments as `python -m kvtier.benchmarks.gpu_table10`: --tiny --device cpu for a smoke run)."""
     from .gpu_table10 import main
 
     main(list(ctx.args))

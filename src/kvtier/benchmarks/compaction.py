@@ -1,10 +1,10 @@
 """`kvtier bench compaction`: one engine step's compaction of every due request on a paged KV cache.
 
 What the compressed engine's worker does at the start of a step where `n` requests are due a round
-(`engine/worker_side.py`), reproduced without vLLM on the torch-only pieces it uses:
+(`src/kvtier/engine/worker_side.py`), reproduced without vLLM on the torch-only pieces it uses:
 
 * a paged cache per layer in a backend's own layout, probed through that backend's cache-update op
-  (`engine/layout.probe_layout`) and addressed as rows (`engine/paged_compaction.RowLayout`):
+  (`kvtier.engine.layout.probe_layout`) and addressed as rows (`kvtier.engine.paged_compaction.RowLayout`):
   `flash` = FlashAttention's `[2, blocks, block_size, kv_heads, d]`; `cpu` = vLLM 0.31's CPU backend
   page `[blocks, kv_heads, block_size, 2*d]`, written with vLLM's own `cpu_attn_reshape_and_cache` when
   vLLM is importable and supports the shape, else with a torch emulation of the same element order
@@ -54,7 +54,7 @@ from kvtier.policies.random import RandomPolicy
 
 LAYOUTS = ("flash", "cpu", "cpu_plain")
 TARGETS = {"random_ratio_to_floor_max": 0.25, "h200_ms_per_request_at_2048_max": 0.5}
-# as engine/worker_side.py: policies whose scores depend on the layer are called once per layer
+# as src/kvtier/engine/worker_side.py: policies whose scores depend on the layer are called once per layer
 PER_LAYER_POLICIES = frozenset({"triattention", "diverse"})
 # the floor's row indices are built for groups of requests of at most this many bytes (one group when
 # they fit: a layout with one-element rows has 2d int64 indices per entry, 2.5 GB per request at K=2048)
@@ -285,7 +285,7 @@ class Cell:
         self.query_position += self.s.buffer
         self.round += 1
 
-    # -- selection, as engine/worker_side.py ----------------------------------------------------------
+    # -- selection, as src/kvtier/engine/worker_side.py -----------------------------------------------
     def select_keyed(self, policy) -> list[Tensor]:
         """WorkerEviction._select_keyed for n rounds of one (candidates, victims) group."""
         L, H, e = self.s.layers, self.s.kv_heads, self.old_len - self.settled

@@ -104,7 +104,8 @@ def run_one(arm: str, server: ServerProcess, settings: EngineSettings, w: Worklo
 
 
 def kvtier_config(base: dict, settings: EngineSettings) -> dict:
-    """The service config the kvtier arms run: `base` (configs/local.yaml) with the shared engine settings."""
+    """The service config the kvtier arms run: `base` (src/kvtier/configs/local.yaml) with the shared engine
+    settings."""
     cfg = json.loads(json.dumps(base))
     (name, eng), = cfg["engines"].items()
     eng.update(kv_cache_bytes=settings.kv_cache_bytes, max_model_len=settings.max_model_len, model_id=settings.model_id)

@@ -1,4 +1,4 @@
-"""`kvtier bench serve`: kvtier vs stock vLLM's and Ray Serve LLM's OpenAI servers (benchmarks/serve.py)."""
+"""`kvtier bench serve`: kvtier vs stock vLLM's and Ray Serve LLM's OpenAI servers (src/kvtier/benchmarks/serve.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @bench_app.command("serve")
     def bench_serve(
         config: Optional[Path] = typer.Option(None, "--config", "-c", help="Service YAML whose (single) engine "
-                                              "every arm copies (default: configs/local.yaml)."),
+                                              "every arm copies (default: src/kvtier/configs/local.yaml)."),
         arms: str = typer.Option("stock,rayllm,full,auto", help="Comma-separated: stock, rayllm, full, auto."),
         workloads: str = typer.Option("short,long", help="Comma-separated: short, long."),
         runs: int = typer.Option(1, help="Repeat every arm and workload (ratios and targets per run)."),

@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
             else:
                 typer.echo(f"--- {o.prompt[:60]!r}\n{record['text']}\n[{json.dumps(record['eviction'])}]")
 
-    # The calibration code lives with its policy (policies/triattention_calibration.py); its command is
+    # The calibration code lives with its policy (kvtier.policies.triattention_calibration); its command is
     # registered here because importing anything in kvtier.policies imports torch, which `kvtier --help`
     # must not pay for.
     @app.command("calibrate")

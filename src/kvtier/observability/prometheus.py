@@ -1,8 +1,8 @@
 """A local Prometheus (Debian's `prometheus` binary) scraping Ray's metrics export port.
 
-`configs/prometheus.yml` is the scrape config for local runs; `LocalPrometheus` renders it with the
-actual target(s), starts Prometheus on 127.0.0.1 with its own data directory, waits until it is ready,
-answers instant queries, and stops it. Used by `kvtier serve --prometheus` and the live tests.
+`src/kvtier/configs/prometheus.yml` (kvtier/configs/ in an installed package) is the scrape config for local
+runs; `LocalPrometheus` renders it with the actual target(s), starts Prometheus on 127.0.0.1 with its own
+data directory, waits until it is ready, answers instant queries, and stops it. Used by `kvtier serve --prometheus` and the live tests.
 """
 
 from __future__ import annotations

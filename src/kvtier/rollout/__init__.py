@@ -16,6 +16,6 @@ Modules (nothing is imported here; verl and vLLM load only when a module is used
 * `trainer_hooks` — verl's trainer hooks kvtier uses: `KVTierAgentLoopManager`
   (`rollout.agent.agent_loop_manager_class`: validation at `custom.kvtier.val_budget`, eviction metrics in
   the v0 trainer's logged metrics) and the `kvtier_<mode>` v1 trainers (eviction metrics under `use_v1`);
-* `verl_config`, `local`, `demo` — composing `configs/rollout/kvtier_grpo.yaml`, a local Ray rollout
-  stack, `kvtier rollout demo`.
+* `verl_config`, `local`, `demo` — composing `src/kvtier/configs/rollout/kvtier_grpo.yaml`, a local Ray
+  rollout stack, `kvtier rollout demo`.
 """

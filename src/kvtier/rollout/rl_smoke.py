@@ -1,8 +1,8 @@
-"""`kvtier rl smoke` (command in rollout/cli.py): verl 0.9.1's own trainer, unmodified, running GRPO on kvtier rollouts on CPU.
+"""`kvtier rl smoke` (command in kvtier.rollout.cli): verl 0.9.1's own trainer, unmodified, running GRPO on kvtier rollouts on CPU.
 
-Runs `python -m verl.trainer.main_ppo --config-name kvtier_grpo` (configs/rollout/kvtier_grpo.yaml) in a
-subprocess, on the tiny model, in verl's default setup: the v1 trainer (`trainer.use_v1=true`, TransferQueue),
-sync mode, hybrid engine (actor + rollout in one worker group: `LLMServerManager` calls
+Runs `python -m verl.trainer.main_ppo --config-name kvtier_grpo` (src/kvtier/configs/rollout/kvtier_grpo.yaml)
+in a subprocess, on the tiny model, in verl's default setup: the v1 trainer (`trainer.use_v1=true`,
+TransferQueue), sync mode, hybrid engine (actor + rollout in one worker group: `LLMServerManager` calls
 `KVTierReplica.init_hybrid`), naive weight sync from the FSDP actor to the kvtier vLLM engine every step,
 the rollout put to sleep and woken every step. What kvtier adds, all through verl's extension points:
 

@@ -1,4 +1,5 @@
-"""Compose verl configs from `configs/rollout/kvtier_grpo.yaml` (Hydra, as `verl.trainer.main_ppo` does)."""
+"""Compose verl configs from `src/kvtier/configs/rollout/kvtier_grpo.yaml` (Hydra, as `verl.trainer.main_ppo`
+does)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ process that resolves the name. Ways to get it there (any one is enough):
 
 1. `VERL_USE_EXTERNAL_MODULES=kvtier.rollout.verl_plugin` in the environment of every Ray worker:
    verl's `__init__` imports the listed modules (put it in
-   `ray_kwargs.ray_init.runtime_env.env_vars`, as `configs/rollout/kvtier_grpo.yaml` does, and export it
-   in the driver's shell);
+   `ray_kwargs.ray_init.runtime_env.env_vars`, as `src/kvtier/configs/rollout/kvtier_grpo.yaml` does, and
+   export it in the driver's shell);
 2. a `verl.plugins` entry point (`kvtier = "kvtier.rollout.verl_plugin"`), which verl's `__init__` loads in
    every process that imports verl (needs the entry point in kvtier's packaging);
 3. importing any of `kvtier.rollout.{replica,server,adapter}` — each imports this module first, so a

@@ -1,4 +1,4 @@
-"""`kvtier serve [--config configs/local.yaml]`: start Ray and the service, print a ready line and an
+"""`kvtier serve [--config src/kvtier/configs/local.yaml]`: start Ray and the service, print a ready line and an
 example request, and shut everything down on Ctrl-C (SIGINT) or SIGTERM (what Kubernetes and process
 managers send), also when started as a background job (which starts with SIGINT ignored)."""
 
@@ -24,14 +24,15 @@ def example_request(url: str, model: str, api_key: str | None = None) -> str:
 
 
 def serve_command(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Service YAML (default: configs/local.yaml)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c",
+                                          help="Service YAML (default: src/kvtier/configs/local.yaml)."),
     host: Optional[str] = typer.Option(None, help="Override server.host."),
     port: Optional[int] = typer.Option(None, help="Override server.port."),
     prometheus: bool = typer.Option(False, "--prometheus", help="Also start Debian's Prometheus on 127.0.0.1, "
-                                    "scraping Ray's metrics export port (configs/prometheus.yml)."),
+                                    "scraping Ray's metrics export port (src/kvtier/configs/prometheus.yml)."),
     prometheus_port: int = typer.Option(9090, help="Prometheus's port with --prometheus."),
     scrape_interval: Optional[float] = typer.Option(None, help="Prometheus's scrape interval in seconds with "
-                                                    "--prometheus (default: configs/prometheus.yml, 5 s)."),
+                                                    "--prometheus (default: src/kvtier/configs/prometheus.yml, 5 s)."),
     metrics_port: Optional[int] = typer.Option(None, help="Ray's metrics export port (server.metrics_export_port; "
                                                "8080 with --prometheus unless set)."),
 ) -> None:
