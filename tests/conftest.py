@@ -32,6 +32,6 @@ def _restore_torch_threads():
 @pytest.fixture(scope="module")
 def replay(tiny_model_dir):
     """The masked-attention oracle (transformers) on the tiny model."""
-    from kvtier.models.reference import MaskedReplay
+    from kvtier.reference import MaskedReplay
 
     return MaskedReplay(tiny_model_dir)
