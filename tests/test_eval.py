@@ -16,23 +16,13 @@ import torch
 from kvtier.engine.config import EvictionSpec
 from kvtier.evaluation.grader import extract_boxed_all, extract_final_boxed, grade, grader_backend
 from kvtier.evaluation.stats import bootstrap_replicates, compare, paired_bootstrap, sign_test
-from kvtier.reference import ReferenceEngine, Request, round_schedule
+from kvtier.reference import Request, round_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "evaluation" / "data" / "synthetic_math.jsonl"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_model_dir):
-    return ReferenceEngine(tiny_model_dir, dtype=torch.float32, device="cpu")
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,12 @@ import pytest
 import torch
 
 from kvtier.engine.config import EvictionSpec
-from kvtier.reference import MaskedReplay, ReferenceEngine, Request, round_schedule
+from kvtier.reference import MaskedReplay, Request, round_schedule
 
 PROMPTS = [list(range(10, 40)), list(range(100, 117)), list(range(200, 251))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_model_dir):
-    return ReferenceEngine(tiny_model_dir, dtype=torch.float32, device="cpu")
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def test_reference_engine_without_eviction_reproduces_transformers_greedy(ref, tiny_model_dir):
