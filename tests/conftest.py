@@ -30,8 +30,26 @@ def _restore_torch_threads():
 
 
 @pytest.fixture(scope="module")
+def single_torch_thread():
+    """torch on one CPU thread for the module (reference computations; restored by the fixture above)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir):
+    """The reference engine (transformers, float32, CPU) on the tiny model."""
+    import torch
+
+    from kvtier.reference import ReferenceEngine
+
+    return ReferenceEngine(tiny_model_dir, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
 def replay(tiny_model_dir):
     """The masked-attention oracle (transformers) on the tiny model."""
-    from kvtier.models.reference import MaskedReplay
+    from kvtier.reference import MaskedReplay
 
     return MaskedReplay(tiny_model_dir)

@@ -88,7 +88,7 @@ def merged_rounds(audit: str, request_id: str) -> list[dict]:
 
 
 def test_tp2_ranks_evict_their_heads_and_match_the_masked_reference(tp2, tiny_model_dir):
-    from kvtier.models.reference import MaskedReplay
+    from kvtier.reference import MaskedReplay
 
     res, audit = tp2
     assert [r["heads"] for r in res["ranks"]] == [[0], [1]]

@@ -358,3 +358,43 @@ def test_coalesce_sends_the_first_chunk_at_once_then_batches_per_interval():
         except ValueError as exc:
             return out, str(exc)
     assert asyncio.run(failing()) == (["c0", "c1", "c2"], "engine said no")
+
+
+def test_counters_are_pulled_from_the_worker_only_after_engine_steps(monkeypatch):
+    """The load poll pushes kvtier's worker counters to Ray metrics at most every EXPORT_EVERY_S, and not at
+    all while the engine takes no step: each pull is a collective RPC that wakes the worker's busy loop."""
+    import asyncio
+
+    pytest.importorskip("ray.llm")
+    from kvtier.service import engine_server
+
+    class Engine:
+        steps = 3
+
+        def load(self):
+            return {"steps": self.steps, "running": 0}
+
+    class Exporter:
+        loads = 0
+
+        def update_load(self, load):
+            self.loads += 1
+
+    pulls, exporter = [], Exporter()
+    server = object.__new__(engine_server.KVTierLLMServer)
+    server.engine, server._replica, server._exporter = Engine(), "r0", exporter
+
+    async def pull(exp):
+        pulls.append(server.engine.steps)
+    monkeypatch.setattr(server, "_export_counters", pull)
+    monkeypatch.setattr(engine_server, "EXPORT_EVERY_S", 0.0)
+
+    async def polls(n):
+        for _ in range(n):
+            await server.kvtier_load()
+            await asyncio.sleep(0)
+    asyncio.run(polls(3))
+    assert pulls == [3] and exporter.loads == 3      # gauges on every poll, one pull for the steps seen
+    server.engine.steps = 5
+    asyncio.run(polls(2))
+    assert pulls == [3, 5]

@@ -14,8 +14,8 @@ What it measures (prints one JSON object):
   head_dim 128, K=1024, r=64), from kvtier.benchmarks.rounds.
 
 Weights are random (built from a Qwen3Config; nothing is downloaded), so tokens are meaningless; the
-arithmetic and memory traffic are the real model's. It needs torch and transformers only (no vLLM), and
-runs as a module from the checkout's `src/` (no install needed). CPU smoke test: ``--tiny --device cpu``.
+arithmetic and memory traffic are the real model's. It needs torch, transformers and pydantic only (no vLLM),
+and runs as a module from the checkout's `src/` (no install needed). CPU smoke test: ``--tiny --device cpu``.
 
     PYTHONPATH=src python -m kvtier.benchmarks.gpu_table10                      # H200, < 5 min
     PYTHONPATH=src python -m kvtier.benchmarks.gpu_table10 --tiny --device cpu  # seconds
@@ -100,12 +100,13 @@ def run_method(engine, method: str, a, device, gen, profile: int = 0) -> dict:
     """Steady-state decode of one batch with one method."""
     import torch
 
-    from kvtier.evaluation.reference_engine import EvictSpec, Request, _Seq
+    from kvtier.engine.config import EvictionSpec
+    from kvtier.reference import Request, SequenceState
 
     full = method == "full"
     B = a.full_batch if full else a.batch
     K, r, P = a.budget, a.buffer, a.prompt_len
-    spec = EvictSpec(budget=None) if full else EvictSpec(method, budget=K, buffer=r, seed=0)
+    spec = EvictionSpec(budget=None) if full else EvictionSpec(policy=method, budget=K, buffer=r, seed=0)
     policy = None if full else spec.make_policy()
     needs = set() if policy is None else set(policy.needs)
     start_len = a.full_context if full else K + r
@@ -138,7 +139,8 @@ def run_method(engine, method: str, a, device, gen, profile: int = 0) -> dict:
         c.lengths[b] = start_len
         eg = torch.Generator(device=c.device)
         eg.manual_seed(1000 + b)
-        s = _Seq(Request([0] * P, spec, max_new_tokens=1 << 30, req_id=f"{method}/{b}"), spec, policy, P, eg, None)
+        s = SequenceState(Request([0] * P, spec, max_new_tokens=1 << 30, req_id=f"{method}/{b}"), spec, policy, P, eg,
+                          None)
         s.decoded = logical0 - P
         batch.seqs[b] = s
     rows = list(range(B))
@@ -174,17 +176,17 @@ def run_method(engine, method: str, a, device, gen, profile: int = 0) -> dict:
         timings = {}
         half = warm_half
         for choice in (True, False):             # first touch of each path (cuDNN plans, allocator)
-            batch.sdpa_decode = choice
+            batch.attention.sdpa_decode = choice
             one_step()
         for choice in (True, False):
-            batch.sdpa_decode = choice
+            batch.attention.sdpa_decode = choice
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(half):
                 one_step()
             _sync(device)
             timings[choice] = (time.perf_counter() - t0) / half
-        batch.sdpa_decode = min(timings, key=timings.get)
+        batch.attention.sdpa_decode = min(timings, key=timings.get)
         if profile:
             from torch.profiler import ProfilerActivity, profile as tprofile
 
@@ -226,14 +228,14 @@ def run_method(engine, method: str, a, device, gen, profile: int = 0) -> dict:
         "ms_per_round_step": round(sum(ms) / len(ms), 3) if ms else None,
         "round_share_of_time": round(sum(ms) / (1e3 * elapsed), 4) if ms else 0.0,
         "cache_mb_per_sequence": round(per_seq / 2**20, 2),
-        "attention": "sdpa" if batch.sdpa_decode else "grouped-matmul",
+        "attention": "sdpa" if batch.attention.sdpa_decode else "grouped-matmul",
         "warmup_ms_per_step": {("sdpa" if k else "grouped-matmul"): round(1e3 * v, 2) for k, v in timings.items()},
     }
     if cuda:
         out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if prof_table is not None:
         out["profile"] = prof_table
-    del batch, c
+    batch = c = None  # drop the cache before the next method allocates its own
     return out
 
 
@@ -242,7 +244,7 @@ def main(argv=None) -> dict:
     import torch
     import transformers
 
-    from kvtier.evaluation.reference_engine import ReferenceEngine
+    from kvtier.reference import ReferenceEngine
 
     t_start = time.perf_counter()
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")

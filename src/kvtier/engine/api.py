@@ -56,14 +56,11 @@ def sampling_extra_args(**fields: Any) -> dict[str, Any]:
     return encode_request_args(fields)
 
 
-def _worker_stats(worker, request_ids=None):
-    ev = getattr(worker.model_runner, "kvtier", None)
-    return None if ev is None else ev.stats.snapshot(request_ids)
-
-
 def eviction_stats(llm, request_ids: list[str] | None = None) -> dict:
     """Counters from the (single) worker: engine totals and per-request counters."""
-    results = llm.collective_rpc(_worker_stats, args=(request_ids,))
+    from .worker_ext import worker_eviction_stats
+
+    results = llm.collective_rpc(worker_eviction_stats, args=(request_ids,))
     if not results or results[0] is None:
         raise RuntimeError("this engine has no kvtier eviction (additional_config.kvtier missing)")
     return results[0]

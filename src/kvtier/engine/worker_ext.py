@@ -15,6 +15,13 @@ from typing import Any
 QUALNAME = "kvtier.engine.worker_ext.KVTierWorkerExtension"
 
 
+def worker_eviction_stats(worker, request_ids: list[str] | None = None) -> dict | None:
+    """Engine totals and per-request counters keyed by vLLM's internal request id (all when None), read
+    from any vLLM worker (also one built without this extension, through a pickled-function RPC)."""
+    ev = getattr(worker.model_runner, "kvtier", None)
+    return None if ev is None else ev.stats.snapshot(request_ids)
+
+
 class KVTierWorkerExtension:
     """Every method answers "no eviction" (None or empty) when the engine was built without kvtier."""
 
@@ -24,8 +31,7 @@ class KVTierWorkerExtension:
 
     def kvtier_eviction_stats(self, request_ids: list[str] | None = None) -> dict | None:
         """Engine totals and per-request counters keyed by vLLM's internal request id (all when None)."""
-        stats = self._kvtier_stats()
-        return None if stats is None else stats.snapshot(request_ids)
+        return worker_eviction_stats(self, request_ids)
 
     def kvtier_engine_stats(self) -> dict[str, Any] | None:
         """Engine totals and the round-time histogram bounds, without per-request counters."""

@@ -1,2 +1,3 @@
-"""Evaluation harness: accuracy under eviction with the paper's statistics, the probes, keep-log
-statistics, and the transformers reference engine (see evaluation/README.md)."""
+"""Evaluation harness: accuracy under eviction with the paper's statistics, the probes and keep-log
+statistics, on the vLLM engine or the transformers reference engine (kvtier.reference; see
+evaluation/README.md)."""

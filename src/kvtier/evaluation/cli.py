@@ -136,7 +136,7 @@ def eval_keeplog(
 def _engine(model: str, device: Optional[str], dtype: Optional[str]):
     import torch
 
-    from .reference_engine import ReferenceEngine
+    from kvtier.reference import ReferenceEngine
 
     return ReferenceEngine(model, device=device, dtype=getattr(torch, dtype) if dtype else None)
 

@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvtier.engine.config import EvictionSpec
 from kvtier.policies import EvictionContext, EvictionPolicy, PolicyError
-
-from .reference_engine import EvictSpec, ReferenceEngine, Request, round_schedule
+from kvtier.reference import ReferenceEngine, Request, round_schedule
 
 Site = tuple[int, int]
 
@@ -169,7 +169,7 @@ def build_instances(tokenizer, *, n: int, budget: int, buffer: int, distance: in
     stub = list(stub)
     stub = stub + tokenizer("<think>\n", add_special_tokens=False)["input_ids"]
     P = len(stub)
-    spec = EvictSpec("random", budget=budget, buffer=buffer, protect_prompt=False)
+    spec = EvictionSpec(policy="random", budget=budget, buffer=buffer, protect_prompt=False)
     # Facts must first become candidates at a steady-state round (the first round evicts fewer than r,
     # which could not remove a pinned-away span at once): after the first round's candidate edge.
     first_qp = round_schedule(P, P + budget + 4 * buffer + 1, spec)[0]
@@ -302,7 +302,7 @@ def run_planted_fact(engine: ReferenceEngine, tokenizer, conditions: dict[str, S
             if two_facts:
                 facts.append((inst.facts[1][0], inst.facts[1][1], s2))
             pol = PinnedRandomPolicy(facts, protect_prompt=False)
-            spec = EvictSpec(pol, budget=budget, buffer=buffer, seed=inst.seed)
+            spec = EvictionSpec(policy=pol, budget=budget, buffer=buffer, seed=inst.seed)
             reqs.append(Request(inst.prompt_ids, spec, max_new_tokens=len(inst.body), forced=inst.body,
                                 req_id=f"{cname}/{inst.iid}"))
             index.append((cname, inst, facts))
@@ -338,19 +338,19 @@ def run_planted_fact(engine: ReferenceEngine, tokenizer, conditions: dict[str, S
             "outputs": outs if keep_records else None, "instances_detail": insts}
 
 
-def run_passcode(engine: ReferenceEngine, tokenizer, policies: dict[str, EvictSpec | str] | Sequence[str], *,
+def run_passcode(engine: ReferenceEngine, tokenizer, policies: dict[str, EvictionSpec | str] | Sequence[str], *,
                  n: int = 16, budget: int = 1024, buffer: int = 64, distance: int = 57, lead: int | None = None,
                  seed: int = 0, filler_text: str | None = None, max_batch: int | None = None) -> dict:
     """Table 3. policies: registered names (each with its own default protection), "full", or
-    name -> EvictSpec (budget/buffer default to the arguments)."""
+    name -> EvictionSpec (budget/buffer default to the arguments)."""
     if not isinstance(policies, dict):
         policies = {p: p for p in policies}
     specs = {}
     for name, sp in policies.items():
         if isinstance(sp, str):
-            sp = EvictSpec(budget=None) if sp == "full" else EvictSpec(sp, budget=budget)
+            sp = EvictionSpec(budget=None) if sp == "full" else EvictionSpec(policy=sp, budget=budget)
         elif sp.policy != "full" and sp.budget is None and sp.policy is not None and name != "full":
-            sp = EvictSpec(sp.policy, budget=budget, buffer=buffer, protect_prompt=sp.protect_prompt,
+            sp = EvictionSpec(policy=sp.policy, budget=budget, buffer=buffer, protect_prompt=sp.protect_prompt,
                            sinks=sp.sinks, params=sp.params)
         specs[name] = sp
     insts = build_instances(tokenizer, n=n, budget=budget, buffer=buffer, distance=distance, lead=lead,
@@ -358,7 +358,7 @@ def run_passcode(engine: ReferenceEngine, tokenizer, policies: dict[str, EvictSp
     reqs, index = [], []
     for name, sp in specs.items():
         for inst in insts:
-            spec = EvictSpec(sp.policy, budget=sp.budget, buffer=buffer, protect_prompt=sp.protect_prompt,
+            spec = EvictionSpec(policy=sp.policy, budget=sp.budget, buffer=buffer, protect_prompt=sp.protect_prompt,
                              sinks=sp.sinks, seed=inst.seed, params=sp.params)
             reqs.append(Request(inst.prompt_ids, spec, max_new_tokens=len(inst.body), forced=inst.body,
                                 req_id=f"{name}/{inst.iid}"))

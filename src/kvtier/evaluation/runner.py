@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from kvtier.engine.config import EvictionSpec
+
 from .grader import grade, grader_backend
-from .reference_engine import EvictSpec
 from .tasks import Problem, build_prompt, detect_family
 
 PROTECTIONS = ("default", "on", "off")
@@ -50,11 +51,11 @@ class Cell:
     def label(self) -> str:
         return "full" if self.policy == "full" else f"{self.method}@K={self.budget}"
 
-    def spec(self, buffer: int, seed: int | None) -> EvictSpec:
+    def spec(self, buffer: int, seed: int | None) -> EvictionSpec:
         if self.policy == "full":
-            return EvictSpec(budget=None, buffer=buffer)
+            return EvictionSpec(budget=None, buffer=buffer)
         prot = {"default": None, "on": True, "off": False}[self.protect]
-        return EvictSpec(self.policy, budget=self.budget, buffer=buffer, protect_prompt=prot, seed=seed)
+        return EvictionSpec(policy=self.policy, budget=self.budget, buffer=buffer, protect_prompt=prot, seed=seed)
 
 
 def make_grid(policies: Sequence[str], budgets: Sequence[int], protections: Sequence[str] = ("default",),
@@ -169,7 +170,7 @@ def _run_vllm(jobs, cfg: EvalConfig, llm, tokenizer, audit_path: str | None) -> 
         spec = job["cell"].spec(cfg.buffer, job["seed"])
         params.append(SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
                                      top_p=cfg.top_p if cfg.temperature > 0 else 1.0, seed=job["seed"],
-                                     extra_args=spec.extra_args() or None))
+                                     extra_args=spec.to_extra_args() if spec.compressed else None))
         prompts.append({"prompt_token_ids": job["prompt_ids"]})
     outs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
     rounds = {}
@@ -192,7 +193,7 @@ def _run_vllm(jobs, cfg: EvalConfig, llm, tokenizer, audit_path: str | None) -> 
 
 
 def _run_reference(jobs, cfg: EvalConfig, engine, tokenizer, audit_path: str | None) -> list[dict]:
-    from .reference_engine import ReferenceEngine, Request
+    from kvtier.reference import ReferenceEngine, Request
 
     if engine is None:
         import torch

@@ -92,15 +92,21 @@ class AdmissionMixin:
     async def _drain(self) -> int:
         """Close the gate for the sleep, let admissions already past it land, abort what still runs."""
         self._asleep = True
+        running = await self._close_gate_and_abort(clear_cache=True)
+        if running:
+            logger.warning("kvtier rollout: %d request(s) still running at sleep; aborted them", len(running))
+        return len(running)
+
+    async def _close_gate_and_abort(self, clear_cache: bool) -> list[str]:
+        """Apply the gate's new state, let admissions already past it land (bounded), then abort every
+        request the engine still runs; returns their ids."""
         self._update_gate()
         deadline = time.monotonic() + _GATE_BARRIER_TIMEOUT_S
         while self._admitting > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        running = [r for r in self.engine.output_processor.request_states.keys()]
-        if running:
-            logger.warning("kvtier rollout: %d request(s) still running at sleep; aborting them", len(running))
-        await self.engine.pause_generation(mode="abort", clear_cache=True)
-        return len(running)
+        request_ids = list(self.engine.output_processor.request_states.keys())
+        await self.engine.pause_generation(mode="abort", clear_cache=clear_cache)
+        return request_ids
 
     async def clear_kv_cache(self) -> None:
         await self.engine.reset_prefix_cache()
@@ -127,12 +133,7 @@ class AdmissionMixin:
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
         self._submission_paused = True
         self._rejecting = reject_request
-        self._update_gate()
-        deadline = time.monotonic() + _GATE_BARRIER_TIMEOUT_S
-        while self._admitting > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        request_ids = [r for r in self.engine.output_processor.request_states.keys()]
-        await self.engine.pause_generation(mode="abort", clear_cache=reset_prefix_cache)
+        request_ids = await self._close_gate_and_abort(clear_cache=reset_prefix_cache)
         return {"aborted_count": len(request_ids), "request_ids": request_ids}
 
     async def resume_engine_generation(self) -> None:

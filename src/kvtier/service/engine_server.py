@@ -159,9 +159,12 @@ class KVTierLLMServer(LLMServer):
         exporter = self._metrics_exporter()
         if exporter is not None:
             exporter.update_load(load)   # gauges on every poll: Ray ages out gauges that are not refreshed
-            now = time.time()
-            if now - getattr(self, "_exported_at", 0.0) >= EXPORT_EVERY_S:  # off the poll's path
-                self._exported_at = now
+            now, steps = time.time(), load["steps"]
+            # off the poll's path, and only after engine steps: a collective RPC wakes the worker, whose
+            # message queue then busy-polls for a second (an idle engine would burn a sixth of a core)
+            due = now - getattr(self, "_exported_at", 0.0) >= EXPORT_EVERY_S
+            if due and steps != getattr(self, "_exported_steps", -1):
+                self._exported_at, self._exported_steps = now, steps
                 asyncio.ensure_future(self._export_counters(exporter))
         return load
 

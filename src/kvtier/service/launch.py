@@ -48,6 +48,10 @@ def _ray_init(cfg: ServiceConfig) -> bool:
         if address is None:
             # A cluster of our own; token auth is for shared clusters (Ray 2.60 turns it on by default).
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            # Serve's controller reconciles every 0.1 s by default: 3.5% of a core on an idle service here
+            # (GCS traffic included), taken from the engine on a CPU box; replica restarts and scaling
+            # react within 0.5 s instead. Requests never wait on the controller.
+            os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
             _OWNED["ray"] = True   # from here on: a stop() (even mid-start) reaps what it launched
             ray.init(address="local", num_cpus=cfg.server.num_cpus, include_dashboard=False,
                      logging_level=logging.WARNING, log_to_driver=False,

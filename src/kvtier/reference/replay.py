@@ -9,7 +9,9 @@ over the compacted cache, so its log-probs must match the engine's up to numeric
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -60,6 +62,8 @@ def visibility(num_layers: int, num_kv_heads: int, seq_len: int, records: list[d
 
 
 class MaskedReplay:
+    """The transformers model of `model_dir` (float32 by default) with the masked attention."""
+
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -70,21 +74,28 @@ class MaskedReplay:
         self.num_layers, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
 
-    @torch.no_grad()
-    def logprobs(self, token_ids: list[int], prompt_len: int, rounds: list[dict], buffer: int,
-                 vis: Tensor | None = None) -> Tensor:
-        """Log-prob of each generated token (token_ids[prompt_len:]) under the replayed masks."""
-        n = len(token_ids)
-        if vis is None:
-            vis = visibility(self.num_layers, self.num_kv_heads, n, rounds, buffer)
+    @contextmanager
+    def masked(self, vis: Tensor) -> Iterator[None]:
+        """Forwards of `self.model` inside this block attend under `vis` ([layers, H_kv, N, N] bool, as
+        `visibility` returns; N = the forward's sequence length)."""
         for layer in range(self.num_layers):
             m = vis[layer].repeat_interleave(self.group, dim=0)
             _CURRENT[layer] = torch.zeros(m.shape).masked_fill(~m, float("-inf"))
         try:
-            ids = torch.tensor([token_ids])
-            logits = self.model(input_ids=ids).logits[0].float()
+            yield
         finally:
             _CURRENT.clear()
+
+    @torch.no_grad()
+    def logprobs(self, token_ids: list[int], prompt_len: int, rounds: list[dict], buffer: int,
+                 vis: Tensor | None = None) -> Tensor:
+        """Log-prob of each generated token (token_ids[prompt_len:]) under the replayed masks: [N - prompt_len]."""
+        n = len(token_ids)
+        if vis is None:
+            vis = visibility(self.num_layers, self.num_kv_heads, n, rounds, buffer)
+        with self.masked(vis):
+            ids = torch.tensor([token_ids])
+            logits = self.model(input_ids=ids).logits[0].float()
         lp = torch.log_softmax(logits, dim=-1)
         targets = ids[0, prompt_len:]
         return lp[prompt_len - 1 : n - 1].gather(1, targets.unsqueeze(1)).squeeze(1)
