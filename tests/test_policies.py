@@ -293,7 +293,7 @@ def test_policy_fields_are_validated_and_normalised_on_construction_and_replace(
 
 
 def test_a_plain_subclass_with_its_own_init_still_works():
-    """Like src/kvtier/evaluation/probes.py's PinnedRandomPolicy: not a dataclass, own __init__ and params()."""
+    """Like src/kvtier/evaluation/probes/pinning.py's PinnedRandomPolicy: not a dataclass, own __init__ and params()."""
     from kvtier.policies import EvictionPolicy
 
     class Pinned(EvictionPolicy):
