@@ -1,0 +1,69 @@
+"""The router's side of a streamed response: relay the engine's SSE chunks to the client, take the token
+usage from the engine's usage chunk (dropping that chunk unless the client asked for usage), end with
+`data: [DONE]`, turn an engine failure mid-stream into an SSE error event, and cancel the engine request
+when the client goes away (so its KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import AsyncIterator
+
+from .errors import engine_failure, error_type
+from .metrics import RouterMetrics
+
+
+def take_usage(item: str, keep_usage_chunk: bool) -> tuple[str, dict | None]:
+    """The usage block carried by a chunk of SSE events (the last one wins: usage is cumulative), and the
+    text with the usage-only chunk (`"choices": []`) removed when the client did not ask for usage. Only
+    events carrying a usage object are parsed (pydantic's compact JSON or json.dumps spacing)."""
+    if '"usage":{' not in item and '"usage": {' not in item:   # the common case: a token chunk, no usage
+        return item, None
+    usage, kept = None, []
+    for event in item.split("\n\n"):
+        if event.startswith("data: {") and ('"usage":{' in event or '"usage": {' in event):
+            try:
+                data = json.loads(event[len("data: "):])
+            except ValueError:
+                data = {}
+            if isinstance(data.get("usage"), dict):
+                usage = data["usage"]
+                if not keep_usage_chunk and data.get("choices") == []:
+                    continue
+        kept.append(event)
+    return "\n\n".join(kept), usage
+
+
+async def relay_stream(first, gen, engine: str, tier: str, t0: float, wants_usage: bool,
+                       metrics: RouterMetrics) -> AsyncIterator[str]:
+    """The client's SSE stream: `first` (the engine's first chunk, already received), then the rest of
+    `gen` (the engine's streaming call); the router's first-token, finished and cancelled counts."""
+    done, usage = False, None
+    try:
+        item = first
+        metrics.first_token(tier, time.perf_counter() - t0)
+        while True:
+            done = done or "data: [DONE]" in item
+            item, found = take_usage(item, keep_usage_chunk=wants_usage)
+            usage = found or usage
+            if item:
+                yield item
+            try:
+                item = await gen.__anext__()
+            except StopAsyncIteration:
+                break
+        if not done:
+            yield "data: [DONE]\n\n"
+            done = True
+        metrics.finished(tier, time.perf_counter() - t0, usage)
+    except Exception as exc:  # noqa: BLE001 - the engine died mid-stream: tell the client, then stop
+        err = engine_failure(exc, engine)
+        metrics.rejection(err.status, err.reason)
+        payload = {"error": {"message": err.message, "type": error_type(err.status), "code": err.status}}
+        yield f"data: {json.dumps(payload)}\n\n"
+        done = True
+    finally:
+        if not done:  # client went away: cancel the engine request so its KV blocks are freed
+            gen.cancel()
+            metrics.cancelled(tier)
