@@ -2,9 +2,9 @@
 
 At the start of each step (before vLLM zeroes or appends blocks, since the scheduler may already have
 handed a freed tail block to another request) every compaction due this step runs together:
-1. selection: one call per policy group for all (request, layer, KV head) rows due (for `random`: one
-   counter-based draw, `kvtier.policies.keyed_random`); policies that read keys, values, queries or
-   accumulated attention get them gathered for their due requests only;
+1. selection (`victim_selection.py`): one call per policy group for all (request, layer, KV head) rows
+   due (for `random`: one counter-based draw, `kvtier.policies.keyed_random`); policies that read keys,
+   values, queries or accumulated attention get them gathered for their due requests only;
 2. copies: survivors from the tail move into the holes (hole filling, at most r entries per head), one
    row-granular index copy per layer for every round of the step (`paged_compaction`);
 3. the request's block list and block-table row are cut to the blocks it still needs.
@@ -25,25 +25,20 @@ import time
 import torch
 from torch import Tensor
 
-from kvtier.policies import EvictionContext
-from kvtier.policies.base import ATTENTION, BUFFER_KEYS, KEYS, QUERIES, VALUES
-from kvtier.policies.keyed_random import keyed_victims, seed_key
-from kvtier.policies.random import RandomPolicy
+from kvtier.policies.base import ATTENTION, QUERIES
+from kvtier.policies.keyed_random import seed_key
 
 from . import compat
 from .config import EngineEvictionConfig, EvictionSpec, resolve_request_spec
 from .layout import PagedLayout, probe_layout
-from .paged_compaction import Round, RowLayout, apply_rounds, gather_rows
+from .paged_compaction import Round, RowLayout, apply_rounds
 from .patches import ATTENTION_CAPTURE
 from .payload import PAYLOAD_ATTR, CompactionOp, StepPayload
 from .query_capture import QueryCapture, WorkerRequest
 from .stats import AuditLog, EvictionStats
+from .victim_selection import keyed_draw, select_keyed, select_one
 
 logger = logging.getLogger("kvtier.engine")
-
-# Policies whose scores depend on the layer (ctx.extras["layer"]) are called per layer; the rest get
-# every layer of a request stacked as rows (GQA grouping stays aligned: row l*H + h <-> queries l*H_q + ...).
-PER_LAYER_POLICIES = frozenset({"triattention", "diverse"})
 
 
 def query_window(cfg: EngineEvictionConfig, spec: EvictionSpec) -> int:
@@ -54,11 +49,6 @@ def query_window(cfg: EngineEvictionConfig, spec: EvictionSpec) -> int:
     if ATTENTION in policy.needs:
         w = max(w, spec.buffer)
     return w
-
-
-def keyed_draw(policy) -> bool:
-    """Plain `random` (not its subclasses with their own scores) draws victims from counter-based keys."""
-    return type(policy) is RandomPolicy
 
 
 class WorkerEviction:
@@ -244,65 +234,14 @@ class WorkerEviction:
 
     # -- selection ----------------------------------------------------------------------------
     def _select_keyed(self, items) -> list[Tensor]:
-        """`random` for many rounds at once: one counter-based draw over every (round, layer, head) row.
-        Rows are grouped by (candidates, victims); keys make each row's draw independent of the batch."""
-        L = len(self.layers)
-        out: dict[int, Tensor] = {}
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, (op, st, _pos, _blocks) in enumerate(items):
-            sched = op.spec.schedule()
-            groups.setdefault((sched.num_candidates(op.old_len), op.old_len - op.new_len), []).append(i)
-        for (n_cand, e), idx in groups.items():
-            ops = [items[i] for i in idx]
-            victims = keyed_victims(
-                torch.tensor([st.key for _, st, _, _ in ops], device=self.device),
-                torch.tensor([op.round for op, _, _, _ in ops], device=self.device), L, self.global_heads,
-                torch.tensor([op.spec.make_policy().protected_len(op.prompt_len) for op, _, _, _ in ops],
-                             device=self.device), n_cand, e)
-            for j, i in enumerate(idx):
-                out[i] = victims[j]
-        return [out[i] for i in range(len(items))]
+        """`random` for many rounds at once (victim_selection.select_keyed)."""
+        return select_keyed(items, len(self.layers), self.global_heads, self.device)
 
     def _select_one(self, op: CompactionOp, st: WorkerRequest, pos: Tensor, blocks: Tensor) -> Tensor:
-        """Evicted slots [layers, H, e], ascending per head, for one round of a policy without a keyed draw."""
-        policy, sched = op.spec.make_policy(), op.spec.schedule()
-        L, H = len(self.layers), self.num_kv_heads
-        n_cand = sched.num_candidates(op.old_len)
-        cand = pos[:, :, :n_cand]
-        base = dict(budget=sched.budget, prompt_len=op.prompt_len, generator=st.generator,
-                    query_position=op.query_position)
-        if policy.order_free and not policy.needs:   # one call for every layer and head
-            ev = policy.evict(EvictionContext(positions=cand.reshape(L * H, n_cand), **base))
-            return ev.view(L, H, -1)
-        needs = policy.needs | (getattr(policy, "optional", frozenset()) & {BUFFER_KEYS})
-        order = cand.argsort(dim=2)                               # chronological candidate order per head
-        buffer_slots = torch.arange(n_cand, op.old_len, device=self.device).expand(H, op.old_len - n_cand)
-        got: dict = {}
-        if needs & {KEYS, VALUES, BUFFER_KEYS}:
-            with_buffer = BUFFER_KEYS in needs
-            kv = [gather_rows(self.rows, self.row_views[li], blocks,
-                              torch.cat([order[li], buffer_slots], 1) if with_buffer else order[li]) for li in range(L)]
-            k, v = torch.stack([x[0] for x in kv]), torch.stack([x[1] for x in kv])     # [L, H, n, d]
-            got[KEYS], got[VALUES] = k[:, :, :n_cand], v[:, :, :n_cand]
-            if with_buffer:
-                got[BUFFER_KEYS] = k[:, :, n_cand:]
-        if QUERIES in needs and st.queries is not None:
-            got[QUERIES] = st.recent_queries()                                            # [L, H_q, w, d]
-        if ATTENTION in needs:
-            acc = st.attention[:, :, :n_cand] if st.attention is not None else torch.zeros(L, H, n_cand, device=self.device)
-            got[ATTENTION] = acc.gather(2, order)
-        got = {k: v for k, v in got.items() if k in needs}
-        chrono = cand.gather(2, order)
-        if op.spec.policy in PER_LAYER_POLICIES:
-            extras = {"num_layers": L, "kv_heads": self.global_heads}
-            picks = [policy.evict(EvictionContext(positions=chrono[li], extras={**extras, "layer": li},
-                                                  **{k: v[li] for k, v in got.items()}, **base)) for li in range(L)]
-            ev = torch.stack(picks)
-        else:
-            stacked = {k: v.reshape(L * v.shape[1], *v.shape[2:]) for k, v in got.items()}
-            ev = policy.evict(EvictionContext(positions=chrono.reshape(L * H, n_cand), extras={"num_layers": L},
-                                              **stacked, **base)).view(L, H, -1)
-        return order.gather(2, ev).sort(dim=2).values
+        """Evicted slots [layers, H, e], ascending per head, for one round of a policy without a keyed draw
+        (victim_selection.select_one)."""
+        return select_one(op, st, pos, blocks, rows=self.rows, row_views=self.row_views, num_layers=len(self.layers),
+                          num_kv_heads=self.num_kv_heads, global_heads=self.global_heads, device=self.device)
 
     def _select(self, items) -> list[Tensor]:
         keyed = [i for i, (op, *_rest) in enumerate(items) if keyed_draw(op.spec.make_policy())]

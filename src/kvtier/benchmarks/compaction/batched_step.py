@@ -1,5 +1,6 @@
 """kvtier's arm of the compaction benchmark: one engine step's compaction of every due request, as the
-compressed engine's worker does it (`src/kvtier/engine/worker_side.py`).
+compressed engine's worker does it (`src/kvtier/engine/worker_side.py`, selection in
+`victim_selection.py`).
 
 Victim selection for every due request exactly as the worker calls it (`random`: one counter-based
 draw, `keyed_random.row_keys` + `keyed_subsets`, for every (request, layer, head) row; scored policies:
@@ -25,7 +26,7 @@ from kvtier.policies.random import RandomPolicy
 if TYPE_CHECKING:
     from kvtier.benchmarks.compaction.cell import Cell
 
-# as src/kvtier/engine/worker_side.py: policies whose scores depend on the layer are called once per layer
+# as src/kvtier/engine/victim_selection.py: policies whose scores depend on the layer are called once per layer
 PER_LAYER_POLICIES = frozenset({"triattention", "diverse"})
 
 

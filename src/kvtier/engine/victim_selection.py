@@ -1,0 +1,97 @@
+"""Victim selection for the compressed engine's worker: which (layer, KV head) slots each due round evicts.
+
+`random` (plain, not its subclasses with their own scores) draws every round of a step at once from
+counter-based keys (`kvtier.policies.keyed_random`): keyed by (request seed, round, layer, global KV
+head), so a row's draw does not depend on the batch. Any other policy is called per round, with what it
+reads gathered for that request only: candidates' keys/values (and the buffer's keys) from the paged
+cache, the ring of recent queries, accumulated attention. The worker (`worker_side.WorkerEviction`)
+calls these with its device tables and handles a policy that fails.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvtier.policies import EvictionContext
+from kvtier.policies.base import ATTENTION, BUFFER_KEYS, KEYS, QUERIES, VALUES
+from kvtier.policies.keyed_random import keyed_victims
+from kvtier.policies.random import RandomPolicy
+
+from .paged_compaction import RowLayout, gather_rows
+from .payload import CompactionOp
+from .query_capture import WorkerRequest
+
+# Policies whose scores depend on the layer (ctx.extras["layer"]) are called per layer; the rest get
+# every layer of a request stacked as rows (GQA grouping stays aligned: row l*H + h <-> queries l*H_q + ...).
+PER_LAYER_POLICIES = frozenset({"triattention", "diverse"})
+
+
+def keyed_draw(policy) -> bool:
+    """Plain `random` (not its subclasses with their own scores) draws victims from counter-based keys."""
+    return type(policy) is RandomPolicy
+
+
+def select_keyed(items, num_layers: int, global_heads: Tensor, device: torch.device) -> list[Tensor]:
+    """`random` for many rounds at once: one counter-based draw over every (round, layer, head) row.
+    Rows are grouped by (candidates, victims); keys make each row's draw independent of the batch."""
+    L = num_layers
+    out: dict[int, Tensor] = {}
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (op, st, _pos, _blocks) in enumerate(items):
+        sched = op.spec.schedule()
+        groups.setdefault((sched.num_candidates(op.old_len), op.old_len - op.new_len), []).append(i)
+    for (n_cand, e), idx in groups.items():
+        ops = [items[i] for i in idx]
+        victims = keyed_victims(
+            torch.tensor([st.key for _, st, _, _ in ops], device=device),
+            torch.tensor([op.round for op, _, _, _ in ops], device=device), L, global_heads,
+            torch.tensor([op.spec.make_policy().protected_len(op.prompt_len) for op, _, _, _ in ops],
+                         device=device), n_cand, e)
+        for j, i in enumerate(idx):
+            out[i] = victims[j]
+    return [out[i] for i in range(len(items))]
+
+
+def select_one(op: CompactionOp, st: WorkerRequest, pos: Tensor, blocks: Tensor, *, rows: RowLayout,
+               row_views: list[Tensor], num_layers: int, num_kv_heads: int, global_heads: Tensor,
+               device: torch.device) -> Tensor:
+    """Evicted slots [layers, H, e], ascending per head, for one round of a policy without a keyed draw."""
+    policy, sched = op.spec.make_policy(), op.spec.schedule()
+    L, H = num_layers, num_kv_heads
+    n_cand = sched.num_candidates(op.old_len)
+    cand = pos[:, :, :n_cand]
+    base = dict(budget=sched.budget, prompt_len=op.prompt_len, generator=st.generator,
+                query_position=op.query_position)
+    if policy.order_free and not policy.needs:   # one call for every layer and head
+        ev = policy.evict(EvictionContext(positions=cand.reshape(L * H, n_cand), **base))
+        return ev.view(L, H, -1)
+    needs = policy.needs | (getattr(policy, "optional", frozenset()) & {BUFFER_KEYS})
+    order = cand.argsort(dim=2)                               # chronological candidate order per head
+    buffer_slots = torch.arange(n_cand, op.old_len, device=device).expand(H, op.old_len - n_cand)
+    got: dict = {}
+    if needs & {KEYS, VALUES, BUFFER_KEYS}:
+        with_buffer = BUFFER_KEYS in needs
+        kv = [gather_rows(rows, row_views[li], blocks,
+                          torch.cat([order[li], buffer_slots], 1) if with_buffer else order[li]) for li in range(L)]
+        k, v = torch.stack([x[0] for x in kv]), torch.stack([x[1] for x in kv])     # [L, H, n, d]
+        got[KEYS], got[VALUES] = k[:, :, :n_cand], v[:, :, :n_cand]
+        if with_buffer:
+            got[BUFFER_KEYS] = k[:, :, n_cand:]
+    if QUERIES in needs and st.queries is not None:
+        got[QUERIES] = st.recent_queries()                                            # [L, H_q, w, d]
+    if ATTENTION in needs:
+        acc = st.attention[:, :, :n_cand] if st.attention is not None else torch.zeros(L, H, n_cand, device=device)
+        got[ATTENTION] = acc.gather(2, order)
+    got = {k: v for k, v in got.items() if k in needs}
+    chrono = cand.gather(2, order)
+    if op.spec.policy in PER_LAYER_POLICIES:
+        extras = {"num_layers": L, "kv_heads": global_heads}
+        picks = [policy.evict(EvictionContext(positions=chrono[li], extras={**extras, "layer": li},
+                                              **{k: v[li] for k, v in got.items()}, **base)) for li in range(L)]
+        ev = torch.stack(picks)
+    else:
+        stacked = {k: v.reshape(L * v.shape[1], *v.shape[2:]) for k, v in got.items()}
+        ev = policy.evict(EvictionContext(positions=chrono.reshape(L * H, n_cand), extras={"num_layers": L},
+                                          **stacked, **base)).view(L, H, -1)
+    return order.gather(2, ev).sort(dim=2).values
