@@ -1,4 +1,4 @@
-"""`kvtier eval ...` commands (and `kvtier bench table10`). Heavy imports happen inside the commands."""
+"""`kvtier eval ...` commands. Heavy imports happen inside the commands."""
 
 from __future__ import annotations
 

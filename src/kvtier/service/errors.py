@@ -16,7 +16,7 @@ from .api_models import ErrorBody
 
 logger = logging.getLogger("kvtier.service")
 
-ERROR_RESPONSES = {s: {"model": ErrorBody} for s in (400, 401, 403, 404, 503, 504)}
+ERROR_RESPONSES = {s: {"model": ErrorBody} for s in (400, 401, 403, 404, 500, 503, 504)}
 
 
 class ServeError(Exception):
