@@ -236,4 +236,7 @@ def eval_grade(response: str = typer.Argument(..., help="Model response text."),
 
 def register(app: typer.Typer) -> None:
     """Add `kvtier eval` to the `kvtier` CLI."""
+    from .reasoner_cli import register as register_reasoner   # kvtier eval reasoner
+
+    register_reasoner(eval_app)
     app.add_typer(eval_app, name="eval")

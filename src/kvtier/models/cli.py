@@ -23,4 +23,7 @@ def model_tiny(
 
 def register(app: typer.Typer) -> None:
     """Add `kvtier model` to the `kvtier` CLI."""
+    from .reasoner_cli import register as register_reasoner   # kvtier model train-reasoner
+
+    register_reasoner(model_app)
     app.add_typer(model_app, name="model")

@@ -1,0 +1,51 @@
+"""`kvtier eval reasoner`: the shipped reasoner's accuracy under eviction (evaluation/reasoner_eval.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def _csv(text: str) -> tuple:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def register(eval_app: typer.Typer) -> None:
+    """Add `reasoner` to the `kvtier eval` group."""
+
+    @eval_app.command("reasoner")
+    def eval_reasoner(
+        quick: bool = typer.Option(False, "--quick", help="The CI grid: 16 problems per kind, 1 run, "
+                                   "full/random/streaming at K=128,512 (a few minutes on 2 CPU cores)."),
+        out: Path = typer.Option(Path("artifacts/reasoner-eval"), help="Output directory (instances, tables, JSON, plot)."),
+        model: Optional[str] = typer.Option(None, help="Model directory (default: the shipped models/reasoner)."),
+        problems: Optional[int] = typer.Option(None, help="Held-out problems per kind (default 32; quick 16)."),
+        runs: Optional[int] = typer.Option(None, help="R paired seeds per problem (default 2; quick 1)."),
+        policies: Optional[str] = typer.Option(None, help="Comma-separated (default random,snapkv,rkv,h2o,streaming)."),
+        budgets: Optional[str] = typer.Option(None, help="Comma-separated K (default 128,256,512)."),
+        buffer: int = typer.Option(32, help="r: recent buffer and round cadence."),
+        temperature: float = typer.Option(0.0, help="0: greedy (the R paired seeds drive random's draws)."),
+        seed: int = typer.Option(0),
+        threads: int = typer.Option(1, help="torch CPU threads."),
+    ) -> None:
+        """Full, random, snapkv, rkv, h2o, streaming x K on both task kinds; prints JSON, writes report.md
+        (every pairwise comparison: paired problem-clustered bootstrap CI + sign test) and the plot."""
+        from .reasoner_eval import QUICK, ReasonerEvalConfig, markdown_table, run_reasoner_eval
+
+        kw = dict(QUICK) if quick else {}
+        for name, val in (("problems", problems), ("runs", runs)):
+            if val is not None:
+                kw[name] = val
+        if policies:
+            kw["policies"] = _csv(policies)
+        if budgets:
+            kw["budgets"] = tuple(int(b) for b in _csv(budgets))
+        cfg = ReasonerEvalConfig(buffer=buffer, temperature=temperature, seed=seed, threads=threads,
+                                 model=model or "", **kw)
+        result = run_reasoner_eval(cfg, out)
+        typer.echo(markdown_table(result))
+        typer.echo((out / "report.md").read_text())
+        typer.echo(json.dumps({k: result[k] for k in ("full_accuracy", "cells", "seconds", "config")}, indent=1))

@@ -1,0 +1,184 @@
+"""`kvtier eval reasoner`: accuracy of the shipped reasoner under eviction, on the vLLM CPU engine.
+
+Grid: full attention plus ``policies`` x ``budgets``, on held-out problems of both kinds
+(kvtier.evaluation.reasoner_tasks), ``runs`` paired seeds per problem (one sampling + eviction seed per
+(problem, run), shared by every cell: runner.request_seed; decoding is greedy by default, so the seeds
+drive random's eviction draws). Generation, grading by ``\\boxed{}`` and the
+per-instance records are the eval runner's (runner._run_vllm / _record); the statistics are report.py's
+(paired, problem-clustered bootstrap CI + exact sign test for every pair of methods in a column, a
+column being (kind, K)).
+
+Output (``out``): instances.jsonl, summary.json (report.summarize), report.md (Table 1, 7, 8 and every
+pairwise comparison), reasoner_eval.json (what the command prints) and accuracy_vs_budget.png.
+
+Printed JSON::
+
+    {"full_accuracy": {"local": .., "needle": ..},
+     "cells": [{"policy", "budget", "kind", "accuracy", "ci": [lo, hi], "n", "vs_full": {diff, lo, hi,
+                p_sign, significant}}, ...],
+     "pairwise": [...], "config": {...}, "seconds": ..}
+
+``ci`` is the 95% problem-clustered percentile bootstrap interval of the cell's accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import reasoner_tasks as rt
+from .runner import Cell, EvalConfig, make_grid, request_seed
+from .stats import bootstrap_replicates
+from .tasks import Problem
+
+POLICIES = ("random", "snapkv", "rkv", "h2o", "streaming")
+BUDGETS = (128, 256, 512)
+
+
+@dataclass
+class ReasonerEvalConfig:
+    problems: int = 32                  # held-out problems per kind
+    runs: int = 2                       # R paired seeds
+    policies: tuple = POLICIES
+    budgets: tuple = BUDGETS
+    kinds: tuple = rt.KINDS
+    buffer: int = 32                    # r: every r decode steps the cache returns from K + r to K
+    temperature: float = 0.0             # greedy: the R seeds drive the eviction draws (random)
+    top_p: float = 0.95
+    max_tokens: int = 1200              # the longest trace is ~1,070 tokens
+    seed: int = 0
+    threads: int = 1
+    max_num_seqs: int = 256
+    kv_cache_mb: int = 512
+    model: str = ""
+
+
+QUICK = dict(problems=16, runs=1, policies=("random", "streaming"), budgets=(128, 512))
+
+
+def build_engine(cfg: ReasonerEvalConfig):
+    """An in-process compressed vLLM engine on the reasoner (bf16, eager, prefix caching off)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from kvtier.engine.api import build_llm
+
+    return build_llm(cfg.model, eviction={"default": {"buffer": cfg.buffer}},
+                     kv_cache_bytes=cfg.kv_cache_mb << 20, max_model_len=1536, max_num_seqs=cfg.max_num_seqs,
+                     enforce_eager=True)
+
+
+def _jobs(cfg: ReasonerEvalConfig, tokenizer, cells: list[Cell]) -> list[tuple[dict, None]]:
+    jobs = []
+    for kind in cfg.kinds:
+        for pi, cp in enumerate(rt.eval_problems(cfg.problems, kind)):
+            prob = Problem(task=kind, pid=f"{kind}-{pi}", question=cp.prompt, answer=cp.answer)
+            ids = tokenizer(cp.prompt)["input_ids"]                       # bos + prompt, no template
+            for cell in cells:
+                for run in range(cfg.runs):
+                    seed = request_seed(cfg.seed, pi, run)
+                    jobs.append((dict(problem=prob, cell=cell, run=run, seed=seed, prompt_ids=ids,
+                                      req_id=f"{kind}/{pi}/{cell.label}/r{run}"), None))
+    return jobs
+
+
+def accuracy_ci(rows: list[dict], n_boot: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap of the accuracy, problems resampled (their runs move together)."""
+    per = {}
+    for r in rows:
+        per.setdefault(r["pid"], []).append(1.0 if r["correct"] else 0.0)
+    reps = bootstrap_replicates(np.array([np.mean(v) for v in per.values()]), n_boot, seed)
+    lo, hi = np.percentile(reps, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def summarize_cells(instances: list[dict], summary: dict) -> dict:
+    """The printed JSON's `full_accuracy` and `cells` from instances and report.summarize's summary."""
+    full, cells = {}, []
+    for kind in sorted({r["task"] for r in instances}):
+        for key in sorted({(r["policy"], r["budget"]) for r in instances if r["task"] == kind},
+                          key=lambda k: (k[0] != "full", k[0], k[1] or 0)):
+            rows = [r for r in instances if r["task"] == kind and (r["policy"], r["budget"]) == key]
+            acc = float(np.mean([1.0 if r["correct"] else 0.0 for r in rows]))
+            cell = {"policy": key[0], "budget": key[1], "kind": kind, "accuracy": acc,
+                    "ci": [round(x, 4) for x in accuracy_ci(rows)], "n": len(rows),
+                    "mean_generated_tokens": float(np.mean([r["generated_tokens"] for r in rows]))}
+            if key[0] == "full":
+                full[kind] = acc
+            else:
+                col = f"{kind}@K={key[1]}"
+                pair = next((p for p in summary["pairwise"] if p["column"] == col and p["a"] == "full"
+                             and p["b"] == key[0]), None)
+                if pair:   # report the policy minus full
+                    cell["vs_full"] = {"diff": 0.0 - pair["diff"], "lo": 0.0 - pair["hi"], "hi": 0.0 - pair["lo"],
+                                       "p_sign": pair["p_sign"], "significant": pair["significant"]}
+            cells.append(cell)
+    return {"full_accuracy": full, "cells": cells}
+
+
+def run_reasoner_eval(cfg: ReasonerEvalConfig, out: str | Path, *, llm=None) -> dict:
+    """Generate, grade, write the reports and the plot; returns the printed JSON's dict."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from kvtier.models.reasoner import reasoner_dir
+
+    from .report import write_reports
+    from .runner import _run_vllm
+
+    torch.set_num_threads(cfg.threads)
+    cfg.model = cfg.model or str(reasoner_dir())
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    cells = make_grid(cfg.policies, cfg.budgets)
+    jobs = _jobs(cfg, tok, cells)
+    t0 = time.time()
+    llm = llm or build_engine(cfg)
+    ecfg = EvalConfig(engine="vllm", model=cfg.model, runs=cfg.runs, max_tokens=cfg.max_tokens,
+                      temperature=cfg.temperature, top_p=cfg.top_p, buffer=cfg.buffer, seed=cfg.seed)
+    instances = _run_vllm(jobs, ecfg, llm, tok, None)
+    seconds = time.time() - t0
+    with open(out / "instances.jsonl", "w") as fh:
+        for r in instances:
+            fh.write(json.dumps(r) + "\n")
+    summary = write_reports(instances, out, reference="full")
+    result = summarize_cells(instances, summary)
+    result.update(pairwise=summary["pairwise"], seconds=round(seconds, 1),
+                  generated_tokens=int(sum(r["generated_tokens"] for r in instances)),
+                  config={k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()})
+    (out / "reasoner_eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        from .reasoner_plot import plot_accuracy_vs_budget
+
+        plot_accuracy_vs_budget(result, out / "accuracy_vs_budget.png")
+    except ImportError:         # matplotlib missing: the JSON and tables are still written
+        pass
+    return result
+
+
+def markdown_table(result: dict) -> str:
+    """Accuracy vs budget per kind: rows policies, columns K, with the 95% CI."""
+    lines = []
+    for kind in sorted(result["full_accuracy"]):
+        cells = [c for c in result["cells"] if c["kind"] == kind]
+        budgets = sorted({c["budget"] for c in cells if c["budget"] is not None})
+        full = next(c for c in cells if c["policy"] == "full")
+        lines += [f"**{kind}** (full attention: {full['accuracy']:.3f} [{full['ci'][0]:.2f}, {full['ci'][1]:.2f}])",
+                  "", "| policy | " + " | ".join(f"K={b}" for b in budgets) + " |",
+                  "| --- |" + " --- |" * len(budgets)]
+        for pol in dict.fromkeys(c["policy"] for c in cells if c["policy"] != "full"):
+            row = []
+            for b in budgets:
+                c = next((c for c in cells if c["policy"] == pol and c["budget"] == b), None)
+                if c is None:
+                    row.append("–")
+                    continue
+                mark = " ▼" if c.get("vs_full", {}).get("significant") and c["vs_full"]["diff"] < 0 else ""
+                row.append(f"{c['accuracy']:.3f} [{c['ci'][0]:.2f}, {c['ci'][1]:.2f}]{mark}")
+            lines.append(f"| {pol} | " + " | ".join(row) + " |")
+        lines.append("")
+    return "\n".join(lines)

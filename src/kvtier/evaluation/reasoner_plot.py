@@ -1,0 +1,51 @@
+"""Accuracy vs KV budget for `kvtier eval reasoner` (the paper's Figure 2 shape): one panel per problem
+kind, one line per policy over K (95% bootstrap CI as error bars), full attention as a band."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+STYLE = {"random": ("tab:red", "o"), "snapkv": ("tab:blue", "s"), "rkv": ("tab:green", "^"),
+         "h2o": ("tab:purple", "D"), "streaming": ("tab:orange", "v")}
+
+
+def plot_accuracy_vs_budget(result: dict, path: str | Path) -> Path:
+    """result: the dict `run_reasoner_eval` returns (its `cells`); writes a PNG and returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted({c["kind"] for c in result["cells"]})
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 4), squeeze=False, sharey=True)
+    for ax, kind in zip(axes[0], kinds):
+        cells = [c for c in result["cells"] if c["kind"] == kind]
+        budgets = sorted({c["budget"] for c in cells if c["budget"] is not None})
+        full = next((c for c in cells if c["policy"] == "full"), None)
+        if full is not None:
+            ax.axhline(full["accuracy"], color="black", lw=1.5, label="full attention")
+            ax.axhspan(full["ci"][0], full["ci"][1], color="black", alpha=0.08)
+        for pol in dict.fromkeys(c["policy"] for c in cells if c["policy"] != "full"):
+            pts = sorted((c["budget"], c["accuracy"], c["ci"]) for c in cells if c["policy"] == pol)
+            xs = [p[0] for p in pts]
+            ys = [p[1] for p in pts]
+            err = [[y - p[2][0] for y, p in zip(ys, pts)], [p[2][1] - y for y, p in zip(ys, pts)]]
+            color, marker = STYLE.get(pol, (None, "x"))
+            ax.errorbar(xs, ys, yerr=err, color=color, marker=marker, capsize=3, label=pol)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets)
+        ax.set_xticklabels([str(b) for b in budgets])
+        ax.set_xlabel("KV budget K per head")
+        ax.set_title({"local": "local chains", "needle": "needle in the trace"}.get(kind, kind))
+        ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy (\\boxed{} answer)")
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    cfg = result.get("config", {})
+    fig.suptitle(f"kvtier reasoner: accuracy vs budget (r={cfg.get('buffer')}, "
+                 f"{cfg.get('problems')} problems x {cfg.get('runs')} runs per cell)", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

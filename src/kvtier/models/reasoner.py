@@ -1,0 +1,82 @@
+"""The shipped reasoner (issue #16): a small Qwen3 trained on kvtier's synthetic chain tasks.
+
+Files under ``models/reasoner/`` (a standard Hugging Face directory; transformers and vLLM load it as
+``Qwen3ForCausalLM``): ``config.json``, ``generation_config.json``, ``model.safetensors`` (bf16, tied
+embeddings), ``tokenizer.json`` + ``tokenizer_config.json``, and ``TRAINING.json`` (data seed, steps,
+sha256 of the weights, loss curve summary, held-out accuracy, wall time).
+
+Tokenizer: one token per character of the task alphabet (digits, ``a x n k = ? }``, space, newline),
+``\\boxed{`` as one token, ``<|endoftext|>`` (bos/pad) and ``<|im_end|>`` (eos); 32 ids in all, so the
+embedding has no row without a token. Prompts start with bos; a trace ends with eos.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["REASONER_DIR", "REASONER_CONFIG", "VOCAB_SIZE", "build_reasoner_tokenizer", "reasoner_config",
+           "reasoner_dir"]
+
+REASONER_DIR = Path(__file__).resolve().parent / "reasoner"
+
+BOS = "<|endoftext|>"
+EOS = "<|im_end|>"
+CHARS = list("0123456789") + list("axnk=?} \n")
+BOX = "\\boxed{"
+VOCAB_SIZE = 32
+
+REASONER_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    tie_word_embeddings=True,
+    attention_bias=False,
+    use_sliding_window=False,
+    rope_theta=10000.0,
+)
+
+
+def reasoner_dir() -> Path:
+    """The shipped checkpoint directory (in the repository)."""
+    return REASONER_DIR
+
+
+def build_reasoner_tokenizer():
+    """A transformers fast tokenizer: word-level over single characters (+ ``\\boxed{``), ids fixed.
+
+    ids: 0 bos/pad, 1 eos, 2 ``\\boxed{``, 3.. the characters in CHARS order, then reserved tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {BOS: 0, EOS: 1, BOX: 2}
+    for c in CHARS:
+        vocab[c] = len(vocab)
+    for i in range(VOCAB_SIZE - len(vocab)):
+        vocab[f"<|reserved_{i}|>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    # One piece per character; "\boxed{" is an added token, matched before pre-tokenisation.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 0)])
+    tok.add_special_tokens([BOS, EOS] + [t for t in vocab if t.startswith("<|reserved_")])
+    tok.add_tokens([BOX])
+    assert tok.get_vocab_size(with_added_tokens=True) == VOCAB_SIZE
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=BOS, unk_token=None,
+        clean_up_tokenization_spaces=False, model_max_length=REASONER_CONFIG["max_position_embeddings"],
+        padding_side="left")
+
+
+def reasoner_config():
+    """The Qwen3Config of the reasoner (fp32 for training; the shipped weights are bf16)."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=1, pad_token_id=0, **REASONER_CONFIG)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    return cfg

@@ -1,0 +1,32 @@
+"""`kvtier model train-reasoner`: train the shipped reasoner (models/reasoner_train.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def register(model_app: typer.Typer) -> None:
+    """Add `train-reasoner` to the `kvtier model` group (models/cli.py calls it)."""
+    from .reasoner import REASONER_DIR
+    from .reasoner_train import TrainConfig
+
+    d = TrainConfig()
+
+    @model_app.command("train-reasoner")
+    def train_reasoner(
+        out: Path = typer.Option(REASONER_DIR, help="Model directory (default: the shipped models/reasoner)."),
+        steps: int = typer.Option(d.steps),
+        seed: int = typer.Option(d.seed, help="Data and init seed."),
+        batch: int = typer.Option(d.batch, help="Sequences per step (~1,000 tokens each)."),
+        lr: float = typer.Option(d.lr),
+        threads: int = typer.Option(d.threads, help="torch CPU threads (the weights depend on it)."),
+    ) -> None:
+        """Deterministic CPU training (resumes from OUT/ckpt.pt); writes the model, tokenizer, TRAINING.json."""
+        from .reasoner_train import train
+
+        rec = train(TrainConfig(steps=steps, seed=seed, batch=batch, lr=lr, threads=threads), out,
+                    log=lambda s: typer.echo(s))
+        typer.echo(json.dumps({k: v for k, v in rec.items() if k != "loss_curve"}, indent=1))
