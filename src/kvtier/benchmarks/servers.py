@@ -133,12 +133,21 @@ class ServerProcess:
         self._log.close()
 
 
+# Ports a local Ray takes for itself by default (GCS, client server, dashboard, dashboard agent HTTP/gRPC,
+# runtime-env agent): an OS-chosen free port can be one of them before that Ray starts, and Ray then refuses
+# to start ("metrics_export is trying to use a port number 52365 that is used by other components").
+RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365, 52366, 52367})
+
+
 def free_port() -> int:
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
 
 
 # The stock arms load no vLLM plugin: kvtier's (an entry point of this environment) would otherwise be
