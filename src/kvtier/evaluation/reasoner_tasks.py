@@ -25,7 +25,10 @@ of the 99 values of a), so copying an old line is no general way to continue the
 Design notes (measured while training on this CPU, see models/reasoner/TRAINING.json): with ``a`` only in
 the prompt the tiny model learned to read it slowly; with a carry-free digitwise rule it copied x from 10
 lines back (the period) instead of computing it. Carrying ``a`` on every line and writing units first
-make each digit a function of tokens at fixed offsets.
+make each digit a function of tokens at fixed offsets. Still, x's units digit repeats every 10 lines and
+its tens digit 10 lines on is the old one + a's units digit; the 500-step model's errors (first 10 lines
+of a trace, almost none after line 50) suggest it uses that ~100-token-back relation, so a rule without a
+decimal period (e.g. mod 97) is the next design if a longer run shows the same.
 
 Both kinds share the trace; they differ in the prompt's last field and the boxed answer. A trace line is
 10 tokens (the reasoner's tokenizer is one token per character, ``\\boxed{`` one token), so ``n`` in
