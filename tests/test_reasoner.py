@@ -3,7 +3,7 @@
 The unit tests take seconds. The engine test runs `kvtier eval reasoner --quick`'s grid on the vLLM CPU
 engine (about 1 minute on a quiet 2-core machine, 180k generated tokens) and asserts the issue's target
 (full attention solves held-out local chains) and random eviction at the largest K within full's CI on
-them. It is skipped until models/reasoner/ holds a trained checkpoint.
+them. It is skipped until src/kvtier/models/reasoner/ holds a trained checkpoint.
 """
 
 import hashlib
@@ -17,7 +17,7 @@ from kvtier.evaluation.grader import grade
 from kvtier.models.reasoner import REASONER_DIR, VOCAB_SIZE, build_reasoner_tokenizer
 
 SHIPPED = (REASONER_DIR / "model.safetensors").exists()
-needs_model = pytest.mark.skipif(not SHIPPED, reason="models/reasoner not trained yet")
+needs_model = pytest.mark.skipif(not SHIPPED, reason="src/kvtier/models/reasoner not trained yet")
 
 
 # ----------------------------------------------------------------------------------------------- tasks

@@ -1,4 +1,4 @@
-"""`kvtier eval reasoner`: the shipped reasoner's accuracy under eviction (evaluation/reasoner_eval.py)."""
+"""`kvtier eval reasoner`: the shipped reasoner's accuracy under eviction (src/kvtier/evaluation/reasoner_eval.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def register(eval_app: typer.Typer) -> None:
         quick: bool = typer.Option(False, "--quick", help="The CI grid: 16 problems per kind, 1 run, "
                                    "full/random/streaming at K=128,512 (a few minutes on 2 CPU cores)."),
         out: Path = typer.Option(Path("artifacts/reasoner-eval"), help="Output directory (instances, tables, JSON, plot)."),
-        model: Optional[str] = typer.Option(None, help="Model directory (default: the shipped models/reasoner)."),
+        model: Optional[str] = typer.Option(None, help="Model directory (default: the shipped src/kvtier/models/reasoner)."),
         problems: Optional[int] = typer.Option(None, help="Held-out problems per kind (default 32; quick 16)."),
         runs: Optional[int] = typer.Option(None, help="R paired seeds per problem (default 2; quick 1)."),
         policies: Optional[str] = typer.Option(None, help="Comma-separated (default random,snapkv,rkv,h2o,streaming)."),

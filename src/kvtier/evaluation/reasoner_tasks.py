@@ -22,7 +22,7 @@ may have dropped. What stays determines the key only through 67 * a mod 100 (a t
 have to learn instead of one copy); and x repeats only every 100 / gcd(a, 100) lines (50 or more for 60
 of the 99 values of a), so copying an old line is no general way to continue the chain.
 
-Design notes (measured while training on this CPU, see models/reasoner/TRAINING.json): with ``a`` only in
+Design notes (measured while training on this CPU, see src/kvtier/models/reasoner/TRAINING.json): with ``a`` only in
 the prompt the tiny model learned to read it slowly; with a carry-free digitwise rule it copied x from 10
 lines back (the period) instead of computing it. Carrying ``a`` on every line and writing units first
 make each digit a function of tokens at fixed offsets. Still, x's units digit repeats every 10 lines and

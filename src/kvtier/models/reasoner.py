@@ -1,6 +1,6 @@
 """The shipped reasoner (issue #16): a small Qwen3 trained on kvtier's synthetic chain tasks.
 
-Files under ``models/reasoner/`` (a standard Hugging Face directory; transformers and vLLM load it as
+Files under ``src/kvtier/models/reasoner/`` (a standard Hugging Face directory; transformers and vLLM load it as
 ``Qwen3ForCausalLM``): ``config.json``, ``generation_config.json``, ``model.safetensors`` (bf16, tied
 embeddings), ``tokenizer.json`` + ``tokenizer_config.json``, and ``TRAINING.json`` (data seed, steps,
 sha256 of the weights, loss curve summary, held-out accuracy, wall time).

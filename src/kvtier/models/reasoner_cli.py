@@ -1,4 +1,4 @@
-"""`kvtier model train-reasoner`: train the shipped reasoner (models/reasoner_train.py)."""
+"""`kvtier model train-reasoner`: train the shipped reasoner (src/kvtier/models/reasoner_train.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 
 
 def register(model_app: typer.Typer) -> None:
-    """Add `train-reasoner` to the `kvtier model` group (models/cli.py calls it)."""
+    """Add `train-reasoner` to the `kvtier model` group (src/kvtier/models/cli.py calls it)."""
     from .reasoner import REASONER_DIR
     from .reasoner_train import TrainConfig
 
@@ -17,7 +17,7 @@ def register(model_app: typer.Typer) -> None:
 
     @model_app.command("train-reasoner")
     def train_reasoner(
-        out: Path = typer.Option(REASONER_DIR, help="Model directory (default: the shipped models/reasoner)."),
+        out: Path = typer.Option(REASONER_DIR, help="Model directory (default: the shipped src/kvtier/models/reasoner)."),
         steps: int = typer.Option(d.steps),
         seed: int = typer.Option(d.seed, help="Data and init seed."),
         batch: int = typer.Option(d.batch, help="Sequences per step (~1,000 tokens each)."),

@@ -7,7 +7,7 @@ trace and eos only (the prompt's numbers are random, not predictable). Same seed
 same weights (one torch thread, no dropout; data depends on the step only, so a resumed run equals an
 uninterrupted one).
 
-Output (``out``, default ``models/reasoner``): the Hugging Face files (bf16 safetensors, tied
+Output (``out``, default ``src/kvtier/models/reasoner``): the Hugging Face files (bf16 safetensors, tied
 embeddings), the tokenizer, and ``TRAINING.json``: command parameters, data seed, steps, the
 safetensors' sha256, the loss curve (every ``log_every`` steps), held-out teacher-forced token accuracy
 per kind, wall time. ``out/ckpt.pt`` (fp32 weights + optimizer, every ``ckpt_every`` steps, and at once
