@@ -72,16 +72,16 @@ def test_exporter_refreshes_load_gauges_on_every_poll():
 
 def test_router_takes_usage_from_the_stream_and_drops_the_chunk_unless_asked():
     pytest.importorskip("ray.serve")
-    from kvtier.service.router import _take_usage
+    from kvtier.service.sse import take_usage
 
     token = 'data: {"choices":[{"index":0,"text":"a"}],"usage":null}\n\n'
     usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
     last = f'data: {json.dumps({"choices": [], "usage": usage})}\n\ndata: [DONE]\n\n'
-    assert _take_usage(token, keep_usage_chunk=False) == (token, None)
-    assert _take_usage(last, keep_usage_chunk=False) == ("data: [DONE]\n\n", usage)
-    assert _take_usage(last, keep_usage_chunk=True) == (last, usage)
+    assert take_usage(token, keep_usage_chunk=False) == (token, None)
+    assert take_usage(last, keep_usage_chunk=False) == ("data: [DONE]\n\n", usage)
+    assert take_usage(last, keep_usage_chunk=True) == (last, usage)
     only = f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'
-    assert _take_usage(only, keep_usage_chunk=False) == ("", usage)
+    assert take_usage(only, keep_usage_chunk=False) == ("", usage)
 
 
 def test_router_metrics_count_tokens_latency_and_hang_ups_per_tier(monkeypatch):

@@ -27,9 +27,8 @@ from .engine_health import EngineHealth
 from .errors import ERROR_RESPONSES, ServeError, engine_failure, error_response, looks_dead
 from .metrics import RouterMetrics
 from .routing import Decision, RequestShape, RouteError, resolve_model, route
-from .sse import relay_stream, take_usage
+from .sse import relay_stream
 
-_take_usage = take_usage   # tests/test_exporters.py imports it from here
 
 app = FastAPI(title="kvtier", version="0.1.0",
               description="OpenAI-compatible endpoint of kvtier: requests are routed to KV-memory tiers.")
