@@ -15,19 +15,23 @@ from typing import Any
 QUALNAME = "kvtier.engine.worker_ext.KVTierWorkerExtension"
 
 
+def _eviction_counters(worker):
+    ev = getattr(worker.model_runner, "kvtier", None)
+    return None if ev is None else ev.stats
+
+
 def worker_eviction_stats(worker, request_ids: list[str] | None = None) -> dict | None:
     """Engine totals and per-request counters keyed by vLLM's internal request id (all when None), read
     from any vLLM worker (also one built without this extension, through a pickled-function RPC)."""
-    ev = getattr(worker.model_runner, "kvtier", None)
-    return None if ev is None else ev.stats.snapshot(request_ids)
+    stats = _eviction_counters(worker)
+    return None if stats is None else stats.snapshot(request_ids)
 
 
 class KVTierWorkerExtension:
     """Every method answers "no eviction" (None or empty) when the engine was built without kvtier."""
 
     def _kvtier_stats(self):
-        ev = getattr(self.model_runner, "kvtier", None)
-        return None if ev is None else ev.stats
+        return _eviction_counters(self)
 
     def kvtier_eviction_stats(self, request_ids: list[str] | None = None) -> dict | None:
         """Engine totals and per-request counters keyed by vLLM's internal request id (all when None)."""
