@@ -1,34 +1,34 @@
 """Synthetic long chain-of-thought tasks for the shipped reasoner (issue #16): seeded, no downloads.
 
-One problem is a counter program executed line by line. The prompt states the increment ``a``, the
-start value ``x`` (both two digits), the number of steps ``n`` (three digits) and what to answer
-(``?x``: the final value, a *local chain*; ``?k``: the key, a *needle in the trace*)::
+One problem is a two-term recurrence executed line by line. The prompt states the two start values
+``y`` and ``x`` (two digits each), the number of steps ``n`` (three digits) and what to answer (``?x``:
+the final value, a *local chain*; ``?k``: the key, a *needle in the trace*)::
 
-    a=37 x=05 n=100 ?k                      <- prompt (kept whole by Random Attention)
-    099 37 24                               <- trace: counter n-1 .. 000, a, x <- (x + a) mod 100
-    098 37 97                                  written units digit first (42, 79)
+    y=37 x=05 n=100 ?k                      <- prompt (kept whole by Random Attention)
+    099 50 24                               <- trace: counter n-1 .. 000, then (y, x) <- (x, (y + x) mod 100),
+    098 24 74                                  both written units digit first (05 42, 42 47)
     ...
-    067 37 62
-    k=62                                    <- the key: written once, right after counter 067
-    066 37 36
+    067 32 12
+    k=12                                    <- the key: written once, right after counter 067
+    066 12 44
     ...
-    000 37 50
-    \\boxed{62}                              <- ?k: the key; ?x: the last value (50)
+    000 73 08
+    \\boxed{12}                              <- ?k: the key; ?x: the last value (80, written 08)
 
-Every trace line is a function of the previous line alone (a is carried along), so keeping the prompt and
-the recent tokens is enough for the chain; the key line is written once, 10 * (n - 67) tokens into the
-trace and about 680 tokens before the answer, so answering ``?k`` needs old trace tokens that eviction
-may have dropped. What stays determines the key only through 67 * a mod 100 (a table the model would
-have to learn instead of one copy); and x repeats only every 100 / gcd(a, 100) lines (50 or more for 60
-of the 99 values of a), so copying an old line is no general way to continue the chain.
+Every trace line is a function of the previous line alone (its second field is the previous line's third,
+its third the sum of the previous line's two), so keeping the prompt and the recent tokens is enough for
+the chain; the key line is written once, 10 * (n - 67) tokens into the trace and about 680 tokens before
+the answer, so answering ``?k`` needs old trace tokens that eviction may have dropped (what stays
+determines the key only by running the recurrence 67 steps backwards).
 
-Design notes (measured while training on this CPU, see src/kvtier/models/reasoner/TRAINING.json): with ``a`` only in
-the prompt the tiny model learned to read it slowly; with a carry-free digitwise rule it copied x from 10
-lines back (the period) instead of computing it. Carrying ``a`` on every line and writing units first
-make each digit a function of tokens at fixed offsets. Still, x's units digit repeats every 10 lines and
-its tens digit 10 lines on is the old one + a's units digit; the 500-step model's errors (first 10 lines
-of a trace, almost none after line 50) suggest it uses that ~100-token-back relation, so a rule without a
-decimal period (e.g. mod 97) is the next design if a longer run shows the same.
+Design notes (measured while training on this CPU, see src/kvtier/models/reasoner/TRAINING.json): with an
+increment stated only in the prompt the tiny model learned to read it slowly; with a carry-free digitwise
+rule it copied x from 10 lines back (the period) instead of computing it; with ``x <- (x + a) mod 100``
+(``a`` carried on every line) the units digit repeats every 10 lines and the tens digit 10 lines on is the
+old one + a's units digit, and the 500-step model used that carry-free ~100-token-back shortcut: its
+errors were in the first 10 lines (0/16 traces right). This recurrence has no such shortcut (its units
+digits repeat only every 60 lines for most start pairs, its tens digits every 300), so every line needs
+the two-digit addition with carry the trace is about.
 
 Both kinds share the trace; they differ in the prompt's last field and the boxed answer. A trace line is
 10 tokens (the reasoner's tokenizer is one token per character, ``\\boxed{`` one token), so ``n`` in
@@ -58,21 +58,25 @@ class ChainProblem:
     """One problem: parameters, the prompt text, the full target trace and the gold answer."""
 
     kind: str            # "local" | "needle"
-    a: int               # increment, 1..99
+    y0: int              # the value before x0, 0..99 (y0 and x0 not both 0)
     x0: int              # start value, 0..99
     n: int               # number of trace lines (counters n-1 .. 0)
 
     @property
     def prompt(self) -> str:
-        return f"a={self.a:02d} x={self.x0:02d} n={self.n:03d} {ASK[self.kind]}\n"
+        return f"y={self.y0:02d} x={self.x0:02d} n={self.n:03d} {ASK[self.kind]}\n"
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """[n] (y, x) on each trace line (line i has counter n-1-i): (y, x) <- (x, (y + x) mod 100)."""
+        out, y, x = [], self.y0, self.x0
+        for _ in range(self.n):
+            y, x = x, (y + x) % 100
+            out.append((y, x))
+        return out
 
     def values(self) -> list[int]:
-        """[n] x on each trace line (line i has counter n-1-i): x <- (x + a) mod 100."""
-        out, x = [], self.x0
-        for _ in range(self.n):
-            x = (x + self.a) % 100
-            out.append(x)
-        return out
+        """[n] x on each trace line."""
+        return [x for _, x in self.pairs()]
 
     @property
     def key(self) -> int:
@@ -86,22 +90,23 @@ class ChainProblem:
     def trace(self) -> str:
         """The target completion (everything after the prompt), ending with the boxed answer."""
         lines = []
-        for i, x in enumerate(self.values()):
+        for i, (y, x) in enumerate(self.pairs()):
             c = self.n - 1 - i
-            lines.append(f"{c:03d} {self.a:02d} {show(x)}\n")
+            lines.append(f"{c:03d} {show(y)} {show(x)}\n")
             if c == KEY_AT:
                 lines.append(f"k={show(x)}\n")
         return "".join(lines) + BOX + self.answer + "}"
 
     def to_json(self, pid: str) -> dict:
         return {"id": pid, "kind": self.kind, "question": self.prompt, "answer": self.answer,
-                "a": self.a, "x0": self.x0, "n": self.n}
+                "y0": self.y0, "x0": self.x0, "n": self.n}
 
 
 def sample_problem(rng: random.Random, kind: str, n_range: tuple[int, int] = N_RANGE) -> ChainProblem:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return ChainProblem(kind, rng.randint(1, 99), rng.randint(0, 99), rng.randint(*n_range))
+    y0, x0 = rng.randint(0, 99), rng.randint(1, 99)     # x0 > 0: never the all-zero chain
+    return ChainProblem(kind, y0, x0, rng.randint(*n_range))
 
 
 def problems(seed: int, count: int, kind: str, n_range: tuple[int, int] = N_RANGE) -> list[ChainProblem]:

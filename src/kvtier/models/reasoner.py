@@ -5,7 +5,7 @@ Files under ``src/kvtier/models/reasoner/`` (a standard Hugging Face directory; 
 embeddings), ``tokenizer.json`` + ``tokenizer_config.json``, and ``TRAINING.json`` (data seed, steps,
 sha256 of the weights, loss curve summary, held-out accuracy, wall time).
 
-Tokenizer: one token per character of the task alphabet (digits, ``a x n k = ? }``, space, newline),
+Tokenizer: one token per character of the task alphabet (digits, ``y x n k = ? }``, space, newline),
 ``\\boxed{`` as one token, ``<|endoftext|>`` (bos/pad) and ``<|im_end|>`` (eos); 32 ids in all, so the
 embedding has no row without a token. Prompts start with bos; a trace ends with eos.
 """
@@ -21,7 +21,7 @@ REASONER_DIR = Path(__file__).resolve().parent / "reasoner"
 
 BOS = "<|endoftext|>"
 EOS = "<|im_end|>"
-CHARS = list("0123456789") + list("axnk=?} \n")
+CHARS = list("0123456789") + list("yxnk=?} \n")
 BOX = "\\boxed{"
 VOCAB_SIZE = 32
 

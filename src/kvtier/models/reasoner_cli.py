@@ -23,10 +23,12 @@ def register(model_app: typer.Typer) -> None:
         batch: int = typer.Option(d.batch, help="Sequences per step (~1,000 tokens each)."),
         lr: float = typer.Option(d.lr),
         threads: int = typer.Option(d.threads, help="torch CPU threads (the weights depend on it)."),
+        bf16: bool = typer.Option(d.bf16, help="bf16 autocast for the matmuls (the weights depend on it)."),
     ) -> None:
         """Deterministic CPU training (resumes from OUT/ckpt.pt); writes the model, tokenizer, TRAINING.json."""
         from .reasoner_train import train
 
-        rec = train(TrainConfig(steps=steps, seed=seed, batch=batch, lr=lr, threads=threads), out,
+        rec = train(TrainConfig(steps=steps, seed=seed, batch=batch, lr=lr, threads=threads,
+                                bf16=bf16), out,
                     log=lambda s: typer.echo(s))
         typer.echo(json.dumps({k: v for k, v in rec.items() if k != "loss_curve"}, indent=1))
