@@ -24,11 +24,14 @@ def register(model_app: typer.Typer) -> None:
         lr: float = typer.Option(d.lr),
         threads: int = typer.Option(d.threads, help="torch CPU threads (the weights depend on it)."),
         bf16: bool = typer.Option(d.bf16, help="bf16 autocast for the matmuls (the weights depend on it)."),
+        init_from: str = typer.Option(d.init_from, help="Continue from this trained model directory (a second phase)."),
+        short_batch: int = typer.Option(d.short_batch, help="Extra short local chains per step (12-40 lines)."),
+        warmup: int = typer.Option(d.warmup),
     ) -> None:
         """Deterministic CPU training (resumes from OUT/ckpt.pt); writes the model, tokenizer, TRAINING.json."""
         from .reasoner_train import train
 
         rec = train(TrainConfig(steps=steps, seed=seed, batch=batch, lr=lr, threads=threads,
-                                bf16=bf16), out,
+                                bf16=bf16, init_from=init_from, short_batch=short_batch, warmup=warmup), out,
                     log=lambda s: typer.echo(s))
         typer.echo(json.dumps({k: v for k, v in rec.items() if k != "loss_curve"}, indent=1))

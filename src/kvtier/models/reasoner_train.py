@@ -46,6 +46,12 @@ class TrainConfig:
     eval_every: int = 250          # held-out teacher-forced check logged into the loss curve
     ckpt_every: int = 50
     held_out: int = 16             # held-out problems per kind for the teacher-forced check
+    init_from: str = ""            # a trained model directory to continue from (a second phase); "": random init
+    short_batch: int = 0           # extra short local chains per step (SHORT_N lines): more trace starts, low counters
+
+# Short chains for the second phase: the first model's errors were in a trace's first 10 lines and at
+# counters below 20 (it continued the counter from 10 lines back); short chains are mostly both.
+SHORT_N = (12, 40)
 
 
 def _batch(tok, problems, pad_id: int):
@@ -79,6 +85,11 @@ def step_problems(seed: int, step: int, batch: int, exclude: set) -> list:
         if (p.kind, p.y0, p.x0, p.n) not in exclude:
             out.append(p)
     return out
+
+
+def short_problems(seed: int, step: int, count: int) -> list:
+    rng = random.Random(f"{seed}/{step}/short")
+    return [rt.sample_problem(rng, "local", SHORT_N) for _ in range(count)]
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -160,7 +171,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     tok = build_reasoner_tokenizer()
     mcfg = reasoner_config()
     mcfg._attn_implementation = "sdpa"
-    model = Qwen3ForCausalLM(mcfg)
+    model = Qwen3ForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, attn_implementation="sdpa") if cfg.init_from else Qwen3ForCausalLM(mcfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
     exclude = held_out_keys()
     start, history, elapsed = 0, [], 0.0
@@ -194,14 +205,21 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
             return {"paused_at": step}
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
-        ids, labels = _batch(tok, step_problems(cfg.seed, step, cfg.batch, exclude), tok.pad_token_id)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
+        groups = [step_problems(cfg.seed, step, cfg.batch, exclude)]
+        if cfg.short_batch:
+            groups.append(short_problems(cfg.seed, step, cfg.short_batch))
+        batches = [_batch(tok, g, tok.pad_token_id) for g in groups]
+        counts = [int((labels[:, 1:] != -100).sum()) for _, labels in batches]
+        loss_value = 0.0
+        for (ids, labels), n in zip(batches, counts):   # one token-weighted mean over both groups
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss = model(input_ids=ids, labels=labels).loss * (n / sum(counts))
+            loss.backward()
+            loss_value += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        window.append(loss.item())
+        window.append(loss_value)
         if (step + 1) % cfg.log_every == 0:
             history.append({"step": step + 1, "loss": sum(window) / len(window), "seconds": round(time.time() - t0, 1)})
             window = []
@@ -219,7 +237,8 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     sha = _save_hf(model, tok, out)
     n_params = sum(p.numel() for n, p in model.named_parameters() if n != "lm_head.weight")
     record = {"command": f"kvtier model train-reasoner --steps {cfg.steps} --seed {cfg.seed} --batch {cfg.batch} "
-                         f"--lr {cfg.lr} --threads {cfg.threads}" + ("" if cfg.bf16 else " --no-bf16"),
+                         f"--lr {cfg.lr} --warmup {cfg.warmup} --threads {cfg.threads}" + ("" if cfg.bf16 else " --no-bf16")
+                         + (f" --init-from {cfg.init_from} --short-batch {cfg.short_batch}" if cfg.init_from else ""),
               "config": asdict(cfg), "data_seed": cfg.seed, "steps": cfg.steps, "sequences": cfg.steps * cfg.batch,
               "parameters": n_params, "model_safetensors_sha256": sha,
               "safetensors_bytes": (out / "model.safetensors").stat().st_size,
@@ -227,6 +246,8 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
               "loss_last": history[-1]["loss"] if history else None, "loss_curve": history,
               "held_out_teacher_forced": held, "wall_seconds": round(wall, 1),
               "torch": torch.__version__, "eval_seed": rt.EVAL_SEED}
+    if cfg.init_from:   # the phase this one continued (its own TRAINING.json, loss curve included)
+        record["previous_phase"] = json.loads((Path(cfg.init_from) / "TRAINING.json").read_text())
     (out / "TRAINING.json").write_text(json.dumps(record, indent=2) + "\n")
     ckpt.unlink(missing_ok=True)
     return record
