@@ -35,7 +35,8 @@ def test_trace_format_and_grading(kind):
     p = rt.sample_problem(random.Random(0), kind)
     lines = p.trace.split("\n")
     x1 = (p.y0 + p.x0) % 100
-    assert lines[0] == f"{p.n - 1:03d} {p.x0 % 10}{p.x0 // 10} {x1 % 10}{x1 // 10}"   # units digit first
+    assert lines[0] == f"{p.n:03d} {rt.show(p.y0)} {rt.show(p.x0)}"                  # the start, restated
+    assert lines[1] == f"{p.n - 1:03d} {p.x0 % 10}{p.x0 // 10} {x1 % 10}{x1 // 10}"   # units digit first
     for prev, line in zip(lines[:-1], lines[1:]):                             # each line from the last one
         if line[:1].isdigit() and prev[:1].isdigit():
             y, x = int(prev[5] + prev[4]), int(prev[8] + prev[7])

@@ -5,6 +5,7 @@ One problem is a two-term recurrence executed line by line. The prompt states th
 the final value, a *local chain*; ``?k``: the key, a *needle in the trace*)::
 
     y=37 x=05 n=100 ?k                      <- prompt (kept whole by Random Attention)
+    100 73 50                               <- the start restated in the trace's format (counter n)
     099 50 24                               <- trace: counter n-1 .. 000, then (y, x) <- (x, (y + x) mod 100),
     098 24 74                                  both written units digit first (05 42, 42 47)
     ...
@@ -30,9 +31,14 @@ errors were in the first 10 lines (0/16 traces right). This recurrence has no su
 digits repeat only every 60 lines for most start pairs, its tens digits every 300), so every line needs
 the two-digit addition with carry the trace is about.
 
+The trace's first line restates the start (counter n, y and x units digit first): the model that computed
+the first step straight from the prompt's tens-first numbers got its tens digit wrong in most traces. Its
+other remaining error was the boxed answer (one answer per ~1,000 trace tokens: little signal), so the
+last training phase weights the answer's tokens (reasoner_train.TrainConfig.answer_weight).
+
 Both kinds share the trace; they differ in the prompt's last field and the boxed answer. A trace line is
 10 tokens (the reasoner's tokenizer is one token per character, ``\\boxed{`` one token), so ``n`` in
-[90, 110] gives 910-1,120 trace tokens: longer than every evaluated budget (128, 256, 512) plus 2r.
+[90, 110] gives 920-1,130 trace tokens: longer than every evaluated budget (128, 256, 512) plus 2r.
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ class ChainProblem:
     @property
     def trace(self) -> str:
         """The target completion (everything after the prompt), ending with the boxed answer."""
-        lines = []
+        lines = [f"{self.n:03d} {show(self.y0)} {show(self.x0)}\n"]   # the start, restated in the trace's format
         for i, (y, x) in enumerate(self.pairs()):
             c = self.n - 1 - i
             lines.append(f"{c:03d} {show(y)} {show(x)}\n")

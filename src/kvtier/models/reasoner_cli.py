@@ -27,11 +27,13 @@ def register(model_app: typer.Typer) -> None:
         init_from: str = typer.Option(d.init_from, help="Continue from this trained model directory (a second phase)."),
         short_batch: int = typer.Option(d.short_batch, help="Extra short local chains per step (12-40 lines)."),
         warmup: int = typer.Option(d.warmup),
+        answer_weight: float = typer.Option(d.answer_weight, help="Loss weight of the boxed answer's tokens."),
     ) -> None:
         """Deterministic CPU training (resumes from OUT/ckpt.pt); writes the model, tokenizer, TRAINING.json."""
         from .reasoner_train import train
 
         rec = train(TrainConfig(steps=steps, seed=seed, batch=batch, lr=lr, threads=threads,
-                                bf16=bf16, init_from=init_from, short_batch=short_batch, warmup=warmup), out,
+                                bf16=bf16, init_from=init_from, short_batch=short_batch, warmup=warmup,
+                                answer_weight=answer_weight), out,
                     log=lambda s: typer.echo(s))
         typer.echo(json.dumps({k: v for k, v in rec.items() if k != "loss_curve"}, indent=1))

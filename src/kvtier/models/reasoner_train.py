@@ -30,6 +30,8 @@ from kvtier.evaluation import reasoner_tasks as rt
 
 from .reasoner import REASONER_DIR, build_reasoner_tokenizer, reasoner_config
 
+BOX_ID = 2   # the tokenizer's id of "\\boxed{" (reasoner.build_reasoner_tokenizer)
+
 
 @dataclass
 class TrainConfig:
@@ -48,6 +50,7 @@ class TrainConfig:
     held_out: int = 16             # held-out problems per kind for the teacher-forced check
     init_from: str = ""            # a trained model directory to continue from (a second phase); "": random init
     short_batch: int = 0           # extra short local chains per step (SHORT_N lines): more trace starts, low counters
+    answer_weight: float = 1.0     # loss weight of the boxed answer's tokens (one answer per ~1,000 trace tokens)
 
 # Short chains for the second phase: the first model's errors were in a trace's first 10 lines and at
 # counters below 20 (it continued the counter from 10 lines back); short chains are mostly both.
@@ -85,6 +88,15 @@ def step_problems(seed: int, step: int, batch: int, exclude: set) -> list:
         if (p.kind, p.y0, p.x0, p.n) not in exclude:
             out.append(p)
     return out
+
+
+def _token_weights(labels, answer_weight: float):
+    """[B, T-1] loss weight of each predicted token: 0 off the trace, answer_weight from `\\boxed{` on."""
+    import torch
+
+    tgt = labels[:, 1:]
+    answer = torch.cumsum((tgt == BOX_ID).long(), dim=1) > 0
+    return (tgt != -100).float() * torch.where(answer, answer_weight, 1.0)
 
 
 def short_problems(seed: int, step: int, count: int) -> list:
@@ -209,11 +221,18 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         if cfg.short_batch:
             groups.append(short_problems(cfg.seed, step, cfg.short_batch))
         batches = [_batch(tok, g, tok.pad_token_id) for g in groups]
-        counts = [int((labels[:, 1:] != -100).sum()) for _, labels in batches]
+        weights = [_token_weights(labels, cfg.answer_weight) for _, labels in batches]
+        total = sum(float(w.sum()) for w in weights)
         loss_value = 0.0
-        for (ids, labels), n in zip(batches, counts):   # one token-weighted mean over both groups
+        for (ids, labels), w in zip(batches, weights):   # one weighted mean over every group's trace tokens
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss = model(input_ids=ids, labels=labels).loss * (n / sum(counts))
+                if cfg.answer_weight == 1.0:
+                    loss = model(input_ids=ids, labels=labels).loss * (float(w.sum()) / total)
+                else:
+                    logits = model(input_ids=ids).logits[:, :-1].float()
+                    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:].clamp(min=0),
+                                                           reduction="none")
+                    loss = (ce * w).sum() / total
             loss.backward()
             loss_value += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -238,7 +257,8 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     n_params = sum(p.numel() for n, p in model.named_parameters() if n != "lm_head.weight")
     record = {"command": f"kvtier model train-reasoner --steps {cfg.steps} --seed {cfg.seed} --batch {cfg.batch} "
                          f"--lr {cfg.lr} --warmup {cfg.warmup} --threads {cfg.threads}" + ("" if cfg.bf16 else " --no-bf16")
-                         + (f" --init-from {cfg.init_from} --short-batch {cfg.short_batch}" if cfg.init_from else ""),
+                         + (f" --init-from {cfg.init_from} --short-batch {cfg.short_batch}" if cfg.init_from else "")
+                         + (f" --answer-weight {cfg.answer_weight}" if cfg.answer_weight != 1.0 else ""),
               "config": asdict(cfg), "data_seed": cfg.seed, "steps": cfg.steps, "sequences": cfg.steps * cfg.batch,
               "parameters": n_params, "model_safetensors_sha256": sha,
               "safetensors_bytes": (out / "model.safetensors").stat().st_size,
