@@ -45,7 +45,7 @@ def test_trace_format_and_grading(kind):
     assert sum(l.startswith("k=") for l in lines) == 1                       # the key is written once
     key_line = lines.index(f"k={rt.show(p.key)}")
     assert lines[key_line - 1].startswith(f"{rt.KEY_AT:03d} ") and lines[key_line - 1].endswith(rt.show(p.key))
-    assert lines[-2].startswith("000 ") and lines[-1] == f"\\boxed{{{p.answer}}}"
+    assert lines[-3].startswith("000 ") and lines[-2] == rt.ASK[kind] and lines[-1] == f"\\boxed{{{p.answer}}}"
     assert grade(p.trace, p.answer).correct
     n_tok = len(build_reasoner_tokenizer()(p.trace, add_special_tokens=False)["input_ids"])
     assert 900 <= n_tok <= 1130 and n_tok > 512 + 2 * 32                     # eviction happens at every K

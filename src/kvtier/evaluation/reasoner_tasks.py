@@ -14,6 +14,7 @@ the final value, a *local chain*; ``?k``: the key, a *needle in the trace*)::
     066 12 44
     ...
     000 73 08
+    ?k                                      <- the question, restated (copied from the prompt)
     \\boxed{12}                              <- ?k: the key; ?x: the last value (80, written 08)
 
 Every trace line is a function of the previous line alone (its second field is the previous line's third,
@@ -33,8 +34,10 @@ the two-digit addition with carry the trace is about.
 
 The trace's first line restates the start (counter n, y and x units digit first): the model that computed
 the first step straight from the prompt's tens-first numbers got its tens digit wrong in most traces. Its
-other remaining error was the boxed answer (one answer per ~1,000 trace tokens: little signal), so the
-last training phase weights the answer's tokens (reasoner_train.TrainConfig.answer_weight).
+other remaining error was the boxed answer, which had to read the question ~1,000 tokens back while
+deciding what to box (one answer per trace: little signal): the trace now restates the question first (a
+copy of the two characters after the prompt's only ``?``), and the last training phases weight the
+answer's tokens (reasoner_train.TrainConfig.answer_weight).
 
 Both kinds share the trace; they differ in the prompt's last field and the boxed answer. A trace line is
 10 tokens (the reasoner's tokenizer is one token per character, ``\\boxed{`` one token), so ``n`` in
@@ -101,7 +104,7 @@ class ChainProblem:
             lines.append(f"{c:03d} {show(y)} {show(x)}\n")
             if c == KEY_AT:
                 lines.append(f"k={show(x)}\n")
-        return "".join(lines) + BOX + self.answer + "}"
+        return "".join(lines) + ASK[self.kind] + "\n" + BOX + self.answer + "}"   # the question, restated
 
     def to_json(self, pid: str) -> dict:
         return {"id": pid, "kind": self.kind, "question": self.prompt, "answer": self.answer,
