@@ -44,30 +44,6 @@ def test_shipped_configs_validate(name):
     assert any(not t.compressed for t in cfg.tiers) and any(t.compressed for t in cfg.tiers)
 
 
-def test_cpu_split_keeps_the_engines_cores_and_names_why_not():
-    from kvtier.service.cpu_split import BIND_ENV, plan_cpu_split
-
-    local = load_config(CONFIGS / "local.yaml")
-    split, why = plan_cpu_split(local, allowed={0, 1, 2, 3}, environ={})
-    assert (split.engine, split.reserved, split.engine_bind, why) == ((0, 1, 2), (3,), "0,1,2", "")
-    assert plan_cpu_split(local, allowed={5, 7}, environ={})[0].engine_bind == "5"
-    eng = local.engines["cpu"]
-    for cfg, reason in [
-        (local.model_copy(update={"server": local.server.model_copy(update={"cpu_split": "off"})}), "cpu_split is off"),
-        (local.model_copy(update={"server": local.server.model_copy(update={"ray_address": "auto"})}), "server.ray_address"),
-        (local.model_copy(update={"engines": {"a": eng, "b": eng}}), "2 engine deployments"),
-        (local.model_copy(update={"engines": {"cpu": eng.model_copy(update={"accelerator": "gpu"})}}), "not a CPU engine"),
-        (local.model_copy(update={"engines": {"cpu": eng.model_copy(update={"deployment": {"num_replicas": 2}})}}),
-         "more than one replica"),
-        (local.model_copy(update={"engines": {"cpu": eng.model_copy(
-            update={"engine_kwargs": {**eng.engine_kwargs, "tensor_parallel_size": 2}})}}), "runs 2 ranks"),
-    ]:
-        split, why = plan_cpu_split(cfg, allowed={0, 1}, environ={})
-        assert split is None and reason in why, (reason, why)
-    assert "user's binding" in plan_cpu_split(local, allowed={0, 1}, environ={BIND_ENV: "0"})[1]
-    assert "only 1 CPU" in plan_cpu_split(local, allowed={0}, environ={})[1]
-
-
 def test_local_config_is_open_mode_on_one_cpu_engine():
     cfg = load_config(CONFIGS / "local.yaml")
     assert cfg.open_mode and len(cfg.engines) == 1 and 2 <= len(cfg.tiers) <= 3
