@@ -114,38 +114,6 @@ def test_models_health_and_open_mode_banner(service, client, http):
     assert "Example request" in service.log() and "curl" in service.log()
 
 
-def test_ray_and_serve_processes_leave_the_engine_workers_cores(service, client):
-    """server.cpu_split: auto (cpu_split.py): every Ray, Serve and vLLM frontend process runs on the reserved
-    CPU; the engine worker's compute threads on the others (and nothing else does)."""
-    import os
-
-    import psutil
-
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("one CPU: nothing to split")
-    engine, reserved = cpus[:-1], cpus[-1:]
-    assert f"the engine worker on CPUs {engine}" in service.log()
-    client.completions.create(model=MODEL, prompt=SHORT, max_tokens=4)        # the engine is up and serving
-    workers, others = [], []
-    for p in service.descendants():
-        try:
-            (workers if "VLLM::Worker" in p.name() + " ".join(p.cmdline()) else others).append(p)
-        except psutil.Error:
-            pass
-    assert len(workers) == 1 and len(others) >= 6   # gcs, raylet, agents, controller, proxy, router, replica, core
-    wrong = {}
-    for p in others:
-        try:
-            if sorted(p.cpu_affinity()) != reserved:
-                wrong[p.pid] = (p.name(), p.cpu_affinity())
-        except psutil.Error:
-            pass
-    assert not wrong, wrong
-    bound = {tuple(sorted(os.sched_getaffinity(t.id))) for t in workers[0].threads()}
-    assert tuple(engine) in bound                                               # the OpenMP compute thread(s)
-
-
 def test_completion_and_streaming_chat(client):
     out = client.completions.create(model=MODEL, prompt=SHORT, max_tokens=8, temperature=0, extra_body=NO_EOS)
     assert out.choices[0].text and out.usage.completion_tokens == 8

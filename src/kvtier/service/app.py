@@ -8,7 +8,6 @@ from typing import Any
 from kvtier.engine.worker_ext import QUALNAME as WORKER_EXTENSION
 
 from .config import TINY_MODEL, EngineConfig, ServiceConfig
-from .cpu_split import BIND_ENV, CpuSplit
 
 ENGINE_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 # Only for a Ray cluster kvtier starts itself (launch.py): token auth stays on for shared clusters (KubeRay).
@@ -28,10 +27,8 @@ def resolve_model_path(model: str) -> str:
 
 
 def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, local_ray: bool = False,
-               vllm_kwargs: dict[str, Any] | None = None, stream_interval_ms: float = 200,
-               cpu_split: CpuSplit | None = None):
-    """Ray Serve LLM's config of one engine; vllm_kwargs: eng.engine_kwargs resolved (sizing.py);
-    cpu_split: the worker's cores when the service splits the CPUs (cpu_split.py)."""
+               vllm_kwargs: dict[str, Any] | None = None, stream_interval_ms: float = 200):
+    """Ray Serve LLM's config of one engine; vllm_kwargs: eng.engine_kwargs resolved (sizing.py)."""
     from ray.serve.llm import LLMConfig
 
     from kvtier.engine.api import engine_kwargs
@@ -39,8 +36,7 @@ def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, loc
     kwargs = engine_kwargs(eviction=eng.eviction, kv_cache_bytes=eng.kv_cache_bytes, max_model_len=eng.max_model_len,
                            worker_extension_cls=WORKER_EXTENSION,
                            **(eng.engine_kwargs if vllm_kwargs is None else vllm_kwargs))
-    env = {**ENGINE_ENV, **(LOCAL_RAY_ENV if local_ray else {}),
-           **({BIND_ENV: cpu_split.engine_bind} if cpu_split else {}), **eng.runtime_env.get("env_vars", {})}
+    env = {**ENGINE_ENV, **(LOCAL_RAY_ENV if local_ray else {}), **eng.runtime_env.get("env_vars", {})}
     extra: dict[str, Any] = {}
     if eng.accelerator == "cpu":
         extra["accelerator_config"] = {"kind": "cpu"}
@@ -71,7 +67,7 @@ def build_app(args: dict[str, Any]):
     return build_application(parse_config(args, "serveConfigV2"))[0]
 
 
-def build_application(cfg: ServiceConfig, local_ray: bool = False, cpu_split: CpuSplit | None = None):
+def build_application(cfg: ServiceConfig, local_ray: bool = False):
     """The Serve application (router ingress + engine deployments) and the resolved model paths."""
     from ray.serve.llm import build_llm_deployment
 
@@ -83,7 +79,7 @@ def build_application(cfg: ServiceConfig, local_ray: bool = False, cpu_split: Cp
     engines = {
         name: build_llm_deployment(llm_config(name, eng, cfg.model_id(name), model_paths[name], local_ray,
                                               resolved_engine_kwargs(cfg, name, model_paths[name])[0],
-                                              cfg.server.stream_interval_ms, cpu_split),
+                                              cfg.server.stream_interval_ms),
                                    deployment_cls=KVTierLLMServer,
                                    override_serve_options={"name": deployment_name(name)})
         for name, eng in cfg.engines.items()

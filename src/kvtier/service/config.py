@@ -145,9 +145,6 @@ class ServerConfig(_Model):
     # Streams: the first chunk goes out at once, later ones are coalesced and sent at most every
     # stream_interval_ms (each send is one Ray object per hop: engine -> router -> proxy). 0: every chunk.
     stream_interval_ms: float = Field(default=200, ge=0, le=5000)
-    # A local Ray with one CPU engine: Ray's and Serve's processes on the CPU vLLM reserves, the engine's
-    # worker alone on the rest (cpu_split.py). "off": leave placement to the OS and vLLM's binding.
-    cpu_split: Literal["auto", "off"] = "auto"
 
 
 class ServiceConfig(_Model):

@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 
 from .config import ServiceConfig
-from .cpu_split import CpuSplit, narrowed_affinity, plan_cpu_split
 
 logger = logging.getLogger("kvtier.service")
 # what start() brought up in this process, for stop(): Ray (and its session directory), the app
@@ -34,7 +33,7 @@ class Running:
     session_dir: str | None = None   # the local Ray session this process started
 
 
-def _ray_init(cfg: ServiceConfig, cpu_split: CpuSplit | None = None) -> bool:
+def _ray_init(cfg: ServiceConfig) -> bool:
     import ray
 
     if ray.is_initialized():
@@ -54,10 +53,9 @@ def _ray_init(cfg: ServiceConfig, cpu_split: CpuSplit | None = None) -> bool:
             # react within 0.5 s instead. Requests never wait on the controller.
             os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
             _OWNED["ray"] = True   # from here on: a stop() (even mid-start) reaps what it launched
-            with narrowed_affinity(cpu_split.reserved if cpu_split else None):   # Ray's processes inherit it
-                ray.init(address="local", num_cpus=cfg.server.num_cpus, include_dashboard=False,
-                         logging_level=logging.WARNING, log_to_driver=False,
-                         _metrics_export_port=cfg.server.metrics_export_port)
+            ray.init(address="local", num_cpus=cfg.server.num_cpus, include_dashboard=False,
+                     logging_level=logging.WARNING, log_to_driver=False,
+                     _metrics_export_port=cfg.server.metrics_export_port)
             return True
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         return False
@@ -79,7 +77,6 @@ def _session_dir() -> str | None:
 
 def start(cfg: ServiceConfig, *, host: str | None = None, port: int | None = None) -> Running:
     """Start (or join) Ray, Serve's proxy and the app; return once every deployment is ready."""
-    import ray
     from ray import serve
 
     from .app import build_application
@@ -89,18 +86,12 @@ def start(cfg: ServiceConfig, *, host: str | None = None, port: int | None = Non
         logging.getLogger(name).setLevel(logging.WARNING)
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
-    cpu_split, why_not = plan_cpu_split(cfg) if not ray.is_initialized() else (None, "Ray is already running")
-    started_ray = _ray_init(cfg, cpu_split)
-    if started_ray and cpu_split:
-        logger.warning(cpu_split.describe())
-    elif cfg.server.cpu_split == "auto" and any(e.accelerator == "cpu" for e in cfg.engines.values()):
-        logger.warning("kvtier: no CPU split (%s): Ray's processes share the engine's cores", why_not)
-        cpu_split = None
+    started_ray = _ray_init(cfg)
     _OWNED.update(ray=started_ray or _OWNED["ray"], app=cfg.server.app_name)
     if started_ray:
         _OWNED["session_dir"] = _session_dir()
     serve.start(proxy_location=cfg.server.proxy_location, http_options={"host": host, "port": port})
-    app, _ = build_application(cfg, local_ray=started_ray, cpu_split=cpu_split if started_ray else None)
+    app, _ = build_application(cfg, local_ray=started_ray)
     serve.run(app, name=cfg.server.app_name, route_prefix="/", blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return Running(f"http://{shown}:{port}", cfg.server.app_name, started_ray, time.time() - t0,
