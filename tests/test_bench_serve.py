@@ -39,3 +39,15 @@ def test_bench_serve_stock_vs_kvtier(tmp_path):
     assert arms["auto"]["preemptions"] == 0 and arms["auto"]["eviction_events"] > 0   # evicted, not preempted
     assert {"proxy", "router", "engine_frontend"} <= set(arms["auto"]["cpu_s"])
     assert set(r["targets_per_run"][0]) == {"long.full", "long.auto"}
+
+
+def test_targets_are_plain_json_bools_when_met():
+    """vLLM's benchmark reports numpy floats; a met target must still be a JSON bool (a run where `full`
+    reached 0.95x stock once crashed the command at its last step)."""
+    np = pytest.importorskip("numpy")
+    from kvtier.benchmarks.serve import targets
+
+    run = {"long": {"full": {"ratio_to_stock": np.float64(0.97), "tpot_ratio_to_stock": np.float64(1.01)},
+                    "auto": {"ratio_to_stock": np.float64(2.1), "preemptions": np.float64(0), "failed": 0}}}
+    got = targets(run)
+    assert got == {"long.full": True, "long.auto": True} and json.loads(json.dumps(got)) == got

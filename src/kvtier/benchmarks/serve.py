@@ -150,10 +150,11 @@ def targets(run: dict) -> dict:
     for wname, arms in run.items():
         full = arms.get("full")
         if full and "ratio_to_stock" in full:
-            out[f"{wname}.full"] = full["ratio_to_stock"] >= 0.95 and full["tpot_ratio_to_stock"] <= 1.05
+            # bool(): vLLM's benchmark reports numpy floats, whose comparisons are numpy bools (not JSON)
+            out[f"{wname}.full"] = bool(full["ratio_to_stock"] >= 0.95 and full["tpot_ratio_to_stock"] <= 1.05)
     auto = run.get("long", {}).get("auto")
     if auto and "ratio_to_stock" in auto:
-        out["long.auto"] = auto["ratio_to_stock"] >= 2.0 and auto["preemptions"] == 0 and auto["failed"] == 0
+        out["long.auto"] = bool(auto["ratio_to_stock"] >= 2.0 and auto["preemptions"] == 0 and auto["failed"] == 0)
     return out
 
 
