@@ -60,6 +60,21 @@ def test_tokenizer_round_trip():
     assert tok.convert_tokens_to_ids("\\boxed{") in ids
 
 
+def test_training_is_deterministic_and_a_second_phase_records_the_first(tmp_path):
+    from kvtier.models.reasoner_train import TrainConfig, train
+
+    tiny = dict(batch=1, threads=1, held_out=1, warmup=1)
+    first = train(TrainConfig(steps=1, **tiny), tmp_path / "p1", log=lambda s: None)
+    again = train(TrainConfig(steps=1, **tiny), tmp_path / "p1-again", log=lambda s: None)
+    assert first["model_safetensors_sha256"] == again["model_safetensors_sha256"]
+    second = train(TrainConfig(steps=2, short_batch=2, answer_weight=5, init_from=str(tmp_path / "p1"), **tiny),
+                   tmp_path / "p2", log=lambda s: None)
+    assert second["previous_phase"]["model_safetensors_sha256"] == first["model_safetensors_sha256"]
+    assert second["model_safetensors_sha256"] != first["model_safetensors_sha256"]
+    assert "--init-from" in second["command"] and "--answer-weight 5" in second["command"]
+    assert not (tmp_path / "p2" / "ckpt.pt").exists()
+
+
 # ----------------------------------------------------------------------------------------------- shipped files
 @needs_model
 def test_shipped_checkpoint():

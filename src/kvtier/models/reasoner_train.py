@@ -52,8 +52,8 @@ class TrainConfig:
     short_batch: int = 0           # extra short local chains per step (SHORT_N lines): more trace starts, low counters
     answer_weight: float = 1.0     # loss weight of the boxed answer's tokens (one answer per ~1,000 trace tokens)
 
-# Short chains for the second phase: the first model's errors were in a trace's first 10 lines and at
-# counters below 20 (it continued the counter from 10 lines back); short chains are mostly both.
+# Short chains for a second phase: the first model's errors were in a trace's first line and at counters
+# below 20; short chains have more of both per token.
 SHORT_N = (12, 40)
 
 
@@ -181,9 +181,12 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_reasoner_tokenizer()
-    mcfg = reasoner_config()
-    mcfg._attn_implementation = "sdpa"
-    model = Qwen3ForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, attn_implementation="sdpa") if cfg.init_from else Qwen3ForCausalLM(mcfg)
+    if cfg.init_from:
+        model = Qwen3ForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        mcfg = reasoner_config()
+        mcfg._attn_implementation = "sdpa"
+        model = Qwen3ForCausalLM(mcfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
     exclude = held_out_keys()
     start, history, elapsed = 0, [], 0.0
@@ -226,7 +229,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         loss_value = 0.0
         for (ids, labels), w in zip(batches, weights):   # one weighted mean over every group's trace tokens
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                if cfg.answer_weight == 1.0:
+                if cfg.answer_weight == 1.0:   # transformers' own loss: how phases 1-2 ran (same bits)
                     loss = model(input_ids=ids, labels=labels).loss * (float(w.sum()) / total)
                 else:
                     logits = model(input_ids=ids).logits[:, :-1].float()
