@@ -8,9 +8,7 @@ from typing import Optional
 
 import typer
 
-
-def _csv(text: str) -> tuple:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
+from .cli import _csv
 
 
 def register(eval_app: typer.Typer) -> None:
@@ -40,7 +38,7 @@ def register(eval_app: typer.Typer) -> None:
             if val is not None:
                 kw[name] = val
         if policies:
-            kw["policies"] = _csv(policies)
+            kw["policies"] = tuple(_csv(policies))
         if budgets:
             kw["budgets"] = tuple(int(b) for b in _csv(budgets))
         cfg = ReasonerEvalConfig(buffer=buffer, temperature=temperature, seed=seed, threads=threads,

@@ -50,7 +50,7 @@ class ReasonerEvalConfig:
     buffer: int = 32                    # r: every r decode steps the cache returns from K + r to K
     temperature: float = 0.0             # greedy: the R seeds drive the eviction draws (random)
     top_p: float = 0.95
-    max_tokens: int = 1200              # the longest trace is ~1,070 tokens
+    max_tokens: int = 1200              # the longest trace is 1,122 tokens (n = 110)
     seed: int = 0
     threads: int = 1
     max_num_seqs: int = 256
