@@ -39,9 +39,10 @@ tiny-model: setup
 test: setup system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# `make serve PROMETHEUS=1` also starts Debian's Prometheus on 127.0.0.1:9090 scraping the service's metrics.
+# `make serve PROMETHEUS=1` also starts Debian's Prometheus on 127.0.0.1:9090 scraping the service's metrics;
+# `make serve REASONER=1` serves the shipped trained reasoner (src/kvtier/configs/reasoner.yaml) instead.
 serve: setup $(if $(PROMETHEUS),system-deps)
-	$(VENV)/bin/kvtier serve $(if $(PROMETHEUS),--prometheus)
+	$(VENV)/bin/kvtier serve $(if $(REASONER),--config src/kvtier/configs/reasoner.yaml) $(if $(PROMETHEUS),--prometheus)
 
 bench-rounds: setup
 	$(VENV)/bin/kvtier bench rounds

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvtier.engine.worker_ext import QUALNAME as WORKER_EXTENSION
 
-from .config import TINY_MODEL, EngineConfig, ServiceConfig
+from .config import REASONER_MODEL, TINY_MODEL, EngineConfig, ServiceConfig
 
 ENGINE_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 # Only for a Ray cluster kvtier starts itself (launch.py): token auth stays on for shared clusters (KubeRay).
@@ -23,12 +23,18 @@ def resolve_model_path(model: str) -> str:
         from kvtier.models.tiny import ensure_tiny_model
 
         return str(ensure_tiny_model())
+    if model == REASONER_MODEL:
+        from kvtier.models.reasoner import REASONER_DIR
+
+        return str(REASONER_DIR)
     return model
 
 
 def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, local_ray: bool = False,
-               vllm_kwargs: dict[str, Any] | None = None, stream_interval_ms: float = 200):
-    """Ray Serve LLM's config of one engine; vllm_kwargs: eng.engine_kwargs resolved (sizing.py)."""
+               vllm_kwargs: dict[str, Any] | None = None, stream_interval_ms: float = 200,
+               serving_nice: int | None = None):
+    """Ray Serve LLM's config of one engine; vllm_kwargs: eng.engine_kwargs resolved (sizing.py);
+    serving_nice: on a local Ray, the replica lowers its own priority once its engine is up (cpu_priority.py)."""
     from ray.serve.llm import LLMConfig
 
     from kvtier.engine.api import engine_kwargs
@@ -36,7 +42,10 @@ def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, loc
     kwargs = engine_kwargs(eviction=eng.eviction, kv_cache_bytes=eng.kv_cache_bytes, max_model_len=eng.max_model_len,
                            worker_extension_cls=WORKER_EXTENSION,
                            **(eng.engine_kwargs if vllm_kwargs is None else vllm_kwargs))
-    env = {**ENGINE_ENV, **(LOCAL_RAY_ENV if local_ray else {}), **eng.runtime_env.get("env_vars", {})}
+    from .cpu_priority import NICE_ENV
+
+    local = {**LOCAL_RAY_ENV, **({NICE_ENV: str(serving_nice)} if serving_nice else {})} if local_ray else {}
+    env = {**ENGINE_ENV, **local, **eng.runtime_env.get("env_vars", {})}
     extra: dict[str, Any] = {}
     if eng.accelerator == "cpu":
         extra["accelerator_config"] = {"kind": "cpu"}
@@ -79,7 +88,7 @@ def build_application(cfg: ServiceConfig, local_ray: bool = False):
     engines = {
         name: build_llm_deployment(llm_config(name, eng, cfg.model_id(name), model_paths[name], local_ray,
                                               resolved_engine_kwargs(cfg, name, model_paths[name])[0],
-                                              cfg.server.stream_interval_ms),
+                                              cfg.server.stream_interval_ms, cfg.server.serving_nice),
                                    deployment_cls=KVTierLLMServer,
                                    override_serve_options={"name": deployment_name(name)})
         for name, eng in cfg.engines.items()

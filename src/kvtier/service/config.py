@@ -18,6 +18,7 @@ from kvtier.engine.config import FULL, EngineEvictionConfig, EvictionSettings, E
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 TINY_MODEL = "tiny"  # engines.<name>.model: build/use the deterministic tiny Qwen3 (kvtier.models.tiny)
+REASONER_MODEL = "reasoner"  # engines.<name>.model: the shipped trained reasoner (kvtier.models.reasoner)
 
 
 class ConfigError(ValueError):
@@ -38,7 +39,7 @@ class PressureConfig(_Model):
 class EngineConfig(_Model):
     """One engine deployment: a model, its vLLM arguments, kvtier defaults and Serve options."""
 
-    model: str = TINY_MODEL                         # local path, HF id, or "tiny"
+    model: str = TINY_MODEL                         # local path, HF id, "tiny" or "reasoner"
     model_id: str | None = None                     # public name in /v1/models (default: the engine name)
     accelerator: Literal["cpu", "gpu"] = "cpu"
     accelerator_type: str | None = None             # e.g. "H100" (GPU only)
@@ -145,6 +146,9 @@ class ServerConfig(_Model):
     # Streams: the first chunk goes out at once, later ones are coalesced and sent at most every
     # stream_interval_ms (each send is one Ray object per hop: engine -> router -> proxy). 0: every chunk.
     stream_interval_ms: float = Field(default=200, ge=0, le=5000)
+    # On a Ray kvtier serve starts: Ray's and Serve's processes at this nice value, vLLM's engine processes
+    # at 0, so the engine core's scheduler gets its core first (service/cpu_priority.py). None: Ray's own.
+    serving_nice: int | None = Field(default=19, ge=1, le=19)
 
 
 class ServiceConfig(_Model):

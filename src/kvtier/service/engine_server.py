@@ -79,6 +79,11 @@ class KVTierVLLMEngine(VLLMEngine):
         await super().start()
         import ray
 
+        from .cpu_priority import NICE_ENV, lower_serving_priority
+
+        if os.environ.get(NICE_ENV):   # a local Ray: this replica steps back now that its vLLM processes exist
+            lower_serving_priority(int(os.environ[NICE_ENV]), include_self=True)
+
         self.node_id = ray.get_runtime_context().get_node_id()
         self.load_tracker = LoadTracker()
         manager = getattr(self._engine_client, "logger_manager", None)

@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass
 
 from .config import ServiceConfig
+from .cpu_priority import PriorityKeeper, prepare_local_ray, replica_titles
 
 logger = logging.getLogger("kvtier.service")
 # what start() brought up in this process, for stop(): Ray (and its session directory), the app
-_OWNED: dict = {"ray": False, "app": None, "session_dir": None}
+_OWNED: dict = {"ray": False, "app": None, "session_dir": None, "priority": None}
 # stop(): graceful Serve + Ray shutdown within this, then the session's leftovers get SIGTERM, then SIGKILL;
 # all within Kubernetes' default 30 s grace period
 STOP_TIMEOUT_S = 20.0
@@ -52,6 +53,8 @@ def _ray_init(cfg: ServiceConfig) -> bool:
             # (GCS traffic included), taken from the engine on a CPU box; replica restarts and scaling
             # react within 0.5 s instead. Requests never wait on the controller.
             os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+            if cfg.server.serving_nice:
+                prepare_local_ray()   # Ray's workers, hence vLLM's processes, at nice 0 (not Ray's 15)
             _OWNED["ray"] = True   # from here on: a stop() (even mid-start) reaps what it launched
             ray.init(address="local", num_cpus=cfg.server.num_cpus, include_dashboard=False,
                      logging_level=logging.WARNING, log_to_driver=False,
@@ -90,6 +93,11 @@ def start(cfg: ServiceConfig, *, host: str | None = None, port: int | None = Non
     _OWNED.update(ray=started_ray or _OWNED["ray"], app=cfg.server.app_name)
     if started_ray:
         _OWNED["session_dir"] = _session_dir()
+        if cfg.server.serving_nice:
+            from .app import deployment_name
+
+            engines = tuple(t for n in cfg.engines for t in replica_titles(cfg.server.app_name, deployment_name(n)))
+            _OWNED["priority"] = PriorityKeeper(cfg.server.serving_nice, skip=engines).start()
     serve.start(proxy_location=cfg.server.proxy_location, http_options={"host": host, "port": port})
     app, _ = build_application(cfg, local_ray=started_ray)
     serve.run(app, name=cfg.server.app_name, route_prefix="/", blocking=False)
@@ -106,6 +114,9 @@ def stop(running: Running | None = None, timeout_s: float = STOP_TIMEOUT_S) -> N
     from ray import serve
 
     owned_ray, session_dir = _OWNED["ray"], _OWNED["session_dir"]
+    if _OWNED["priority"] is not None:
+        _OWNED["priority"].stop()
+        _OWNED["priority"] = None
     procs = _descendants() if owned_ray else []   # before Ray goes: its agents outlive the raylet otherwise
     if not ray.is_initialized():
         _reap(procs, session_dir, time.monotonic() + 5)

@@ -15,12 +15,30 @@ from typing import Optional
 import typer
 
 
-def example_request(url: str, model: str, api_key: str | None = None) -> str:
-    body = {"model": model, "messages": [{"role": "user", "content": "Think step by step: what is 6 x 7?"}],
-            "max_tokens": 32}
+def example_request(url: str, model: str, api_key: str | None = None, task_prompt: str | None = None) -> str:
+    """A curl line for the first model: a chat request, or with task_prompt (a model trained on one task
+    without a chat template: the shipped reasoner) a greedy completion of that prompt."""
+    if task_prompt is None:
+        route = "chat/completions"
+        body = {"model": model, "messages": [{"role": "user", "content": "Think step by step: what is 6 x 7?"}],
+                "max_tokens": 32}
+    else:
+        route = "completions"
+        body = {"model": model, "prompt": task_prompt, "max_tokens": 1200, "temperature": 0}
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    return (f"curl -s -i {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+    return (f"curl -s -i {url}/v1/{route} -H 'Content-Type: application/json'{auth} "
             f"-d {shlex.quote(json.dumps(body))}")
+
+
+def _task_prompt(cfg) -> str | None:
+    """A held-out problem's prompt when the first engine serves the shipped reasoner."""
+    from .config import REASONER_MODEL
+
+    if next(iter(cfg.engines.values())).model != REASONER_MODEL:
+        return None
+    from kvtier.evaluation.reasoner_tasks import eval_problems
+
+    return eval_problems(1, "local")[0].prompt
 
 
 def serve_command(
@@ -96,7 +114,7 @@ def serve_command(
         key = None
         if not cfg.open_mode:
             key = "$KVTIER_API_KEY"
-        typer.echo("Example request:\n  " + example_request(running.url, cfg.model_ids[0], key))
+        typer.echo("Example request:\n  " + example_request(running.url, cfg.model_ids[0], key, _task_prompt(cfg)))
         if cfg.server.metrics_export_port:
             typer.echo(f"kvtier serve: Ray metrics at http://127.0.0.1:{cfg.server.metrics_export_port}/metrics")
         if prometheus:

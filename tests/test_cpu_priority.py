@@ -1,0 +1,69 @@
+"""service/cpu_priority.py on a real process tree: which processes `kvtier serve`'s keeper lowers.
+
+The tree (children of this test process): a plain process (lowered), a process titled like vLLM's engine
+core with a child (neither lowered: the whole subtree is the engine's), one titled like an engine replica
+named in `skip` (not lowered), an untitled Ray worker (not lowered), and a process named `raylet` with a
+child (the raylet kept, since workers inherit its nice value; its child lowered). This process itself is
+never touched with include_self=False."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+
+from kvtier.service.cpu_priority import lower_serving_priority, replica_titles  # noqa: E402
+
+SLEEP = "import time; time.sleep(120)"
+# (sys.executable is unknown in a process whose argv[0] is a title: the path is spelled out)
+SPAWN = f"import subprocess, time; subprocess.Popen([{sys.executable!r}, '-c', {SLEEP!r}]); time.sleep(120)"
+
+
+def _nices(pid: int) -> set[int]:
+    return {os.getpriority(os.PRIO_PROCESS, t.id) for t in psutil.Process(pid).threads()}
+
+
+def test_keeper_lowers_serving_processes_but_never_the_engines_subtree(tmp_path):
+    raylet = tmp_path / "raylet"
+    raylet.symlink_to(sys.executable)
+    engine_replica = replica_titles("kvtier", "engine-cpu")[1]
+    specs = {
+        "plain": ([sys.executable, "-c", SLEEP], None),
+        "engine_core": (["VLLM::EngineCore", "-c", SPAWN], sys.executable),
+        "engine_replica": ([engine_replica, "-c", SLEEP], sys.executable),
+        "untitled_worker": (["/x/ray/_private/workers/default_worker.py", "-c", SLEEP], sys.executable),
+        "raylet": ([str(raylet), "-c", SPAWN], None),
+    }
+    procs = {}
+    try:
+        for name, (argv, exe) in specs.items():
+            procs[name] = subprocess.Popen(argv, executable=exe)
+        deadline = time.time() + 30
+        while time.time() < deadline and not all(psutil.Process(procs[n].pid).children()
+                                                  for n in ("engine_core", "raylet")):
+            time.sleep(0.1)
+        pids = {n: p.pid for n, p in procs.items()}
+        pids["engine_core_child"] = psutil.Process(pids["engine_core"]).children()[0].pid
+        pids["raylet_child"] = psutil.Process(pids["raylet"]).children()[0].pid
+        assert psutil.Process(pids["raylet"]).name() == "raylet"
+        before = os.getpriority(os.PRIO_PROCESS, 0)
+
+        changed = lower_serving_priority(10, include_self=False, skip=(engine_replica,))
+
+        got = {n: _nices(pid) for n, pid in pids.items()}
+        assert got == {"plain": {10}, "engine_core": {0}, "engine_core_child": {0}, "engine_replica": {0},
+                       "untitled_worker": {0}, "raylet": {0}, "raylet_child": {10}}, got
+        assert changed == len(psutil.Process(pids["plain"]).threads()) + len(psutil.Process(pids["raylet_child"]).threads())
+        assert os.getpriority(os.PRIO_PROCESS, 0) == before
+        assert lower_serving_priority(10, include_self=False, skip=(engine_replica,)) == 0   # nothing left to raise
+    finally:
+        for p in procs.values():
+            for c in psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []:
+                c.kill()
+            p.kill()
+            p.wait(10)
