@@ -39,10 +39,11 @@ tiny-model: setup
 test: setup system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# `make serve PROMETHEUS=1` also starts Debian's Prometheus on 127.0.0.1:9090 scraping the service's metrics;
-# `make serve REASONER=1` serves the shipped trained reasoner (src/kvtier/configs/reasoner.yaml) instead.
+# The demo: the shipped trained reasoner (src/kvtier/configs/reasoner.yaml), whose answers are its task's
+# traces. `make serve TINY=1`: the random-weight tiny model (src/kvtier/configs/local.yaml, `kvtier serve`'s
+# default, which tests and benchmarks use); `PROMETHEUS=1` also starts Debian's Prometheus on 127.0.0.1:9090.
 serve: setup $(if $(PROMETHEUS),system-deps)
-	$(VENV)/bin/kvtier serve $(if $(REASONER),--config src/kvtier/configs/reasoner.yaml) $(if $(PROMETHEUS),--prometheus)
+	$(VENV)/bin/kvtier serve $(if $(TINY),,--config src/kvtier/configs/reasoner.yaml) $(if $(PROMETHEUS),--prometheus)
 
 bench-rounds: setup
 	$(VENV)/bin/kvtier bench rounds

@@ -49,7 +49,7 @@ def config() -> dict:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """`kvtier serve --prometheus` (as `make serve PROMETHEUS=1` runs it): the service with Ray's metrics on
+    """`kvtier serve --prometheus` (as `make serve TINY=1 PROMETHEUS=1` runs it): the service with Ray's metrics on
     metrics_port and Debian's Prometheus on prom_port scraping it every second."""
     tmp = tmp_path_factory.mktemp("obs")
     metrics_port, prom_port = free_port(), free_port()
