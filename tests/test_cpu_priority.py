@@ -3,8 +3,9 @@
 The tree (children of this test process): a plain process (lowered), a process titled like vLLM's engine
 core with a child (neither lowered: the whole subtree is the engine's), one titled like an engine replica
 named in `skip` (not lowered), an untitled Ray worker (not lowered), and a process named `raylet` with a
-child (the raylet kept, since workers inherit its nice value; its child lowered). This process itself is
-never touched with include_self=False."""
+child (the raylet kept, since workers inherit its nice value; its child lowered). Each names a Ray
+session directory on its command line, as Ray's daemons do, except one more child that is not Ray's (not
+lowered when the session is given). This process itself is never touched with include_self=False."""
 
 from __future__ import annotations
 
@@ -32,17 +33,20 @@ def test_keeper_lowers_serving_processes_but_never_the_engines_subtree(tmp_path)
     raylet = tmp_path / "raylet"
     raylet.symlink_to(sys.executable)
     engine_replica = replica_titles("kvtier", "engine-cpu")[1]
+    session = str(tmp_path / "session_2026-11-30_00-00-00_000000_1")
     specs = {
         "plain": ([sys.executable, "-c", SLEEP], None),
         "engine_core": (["VLLM::EngineCore", "-c", SPAWN], sys.executable),
         "engine_replica": ([engine_replica, "-c", SLEEP], sys.executable),
         "untitled_worker": (["/x/ray/_private/workers/default_worker.py", "-c", SLEEP], sys.executable),
         "raylet": ([str(raylet), "-c", SPAWN], None),
+        "not_ray": ([sys.executable, "-c", SLEEP], None),
     }
     procs = {}
     try:
         for name, (argv, exe) in specs.items():
-            procs[name] = subprocess.Popen(argv, executable=exe)
+            procs[name] = subprocess.Popen(argv + ([] if name == "not_ray" else [f"--session-dir={session}"]),
+                                           executable=exe)
         deadline = time.time() + 30
         while time.time() < deadline and not all(psutil.Process(procs[n].pid).children()
                                                   for n in ("engine_core", "raylet")):
@@ -53,14 +57,16 @@ def test_keeper_lowers_serving_processes_but_never_the_engines_subtree(tmp_path)
         assert psutil.Process(pids["raylet"]).name() == "raylet"
         before = os.getpriority(os.PRIO_PROCESS, 0)
 
-        changed = lower_serving_priority(10, include_self=False, skip=(engine_replica,))
+        changed = lower_serving_priority(10, include_self=False, skip=(engine_replica,), marker=session)
 
         got = {n: _nices(pid) for n, pid in pids.items()}
         assert got == {"plain": {10}, "engine_core": {0}, "engine_core_child": {0}, "engine_replica": {0},
-                       "untitled_worker": {0}, "raylet": {0}, "raylet_child": {10}}, got
+                       "untitled_worker": {0}, "raylet": {0}, "raylet_child": {10}, "not_ray": {0}}, got
         assert changed == len(psutil.Process(pids["plain"]).threads()) + len(psutil.Process(pids["raylet_child"]).threads())
         assert os.getpriority(os.PRIO_PROCESS, 0) == before
-        assert lower_serving_priority(10, include_self=False, skip=(engine_replica,)) == 0   # nothing left to raise
+        assert lower_serving_priority(10, include_self=False, skip=(engine_replica,), marker=session) == 0
+        lower_serving_priority(10, include_self=False, skip=(engine_replica,))   # no session given: every child
+        assert _nices(pids["not_ray"]) == {10}
     finally:
         for p in procs.values():
             for c in psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []:

@@ -48,22 +48,31 @@ def replica_titles(app_name: str, deployment: str) -> tuple[str, str]:
     return f"ray::SERVE_REPLICA::{app_name}#{deployment}#", f"ray::ServeReplica:{app_name}:{deployment}"
 
 
+def _names(proc, marker: str) -> bool:
+    try:
+        return marker in " ".join(proc.cmdline() or ())
+    except Exception:  # noqa: BLE001 - psutil.Error: gone meanwhile
+        return False
+
+
 def _skipped(proc, prefixes: tuple[str, ...]) -> bool:
     argv = proc.cmdline() or []
     return (" ".join(argv).startswith(prefixes) or proc.name().startswith(prefixes)
             or any(a.endswith(UNTITLED_WORKER) for a in argv[:3]))   # not the raylet: it names the script later
 
 
-def lower_serving_priority(nice: int, include_self: bool, skip: tuple[str, ...] = ()) -> int:
+def lower_serving_priority(nice: int, include_self: bool, skip: tuple[str, ...] = (), marker: str | None = None) -> int:
     """Raise every thread of this process's descendants (and of this process if include_self) to `nice`,
     leaving out the whole subtree of a process whose title starts with one of ALWAYS_SKIPPED or `skip` (or
-    an untitled Ray worker). Returns how many threads changed."""
+    an untitled Ray worker), and with `marker` (a Ray session directory) only the subtrees of this process's
+    children whose command line names it (Ray's daemons; not other children of the same process). Returns
+    how many threads changed."""
     import psutil
 
     me = psutil.Process()
     prefixes = ALWAYS_SKIPPED + tuple(skip)
     changed = 0
-    todo = [me] if include_self else me.children()
+    todo = [me] if include_self else [c for c in me.children() if marker is None or _names(c, marker)]
     while todo:
         proc = todo.pop()
         try:
@@ -82,11 +91,11 @@ def lower_serving_priority(nice: int, include_self: bool, skip: tuple[str, ...] 
 
 
 class PriorityKeeper:
-    """A daemon thread in the driver that lowers the Ray it started (its descendants; the driver itself
-    stays as it is) now and every `period_s` until stop()."""
+    """A daemon thread in the driver that lowers the Ray it started (the processes under its children that
+    name `session_dir`; the driver itself stays as it is) now and every `period_s` until stop()."""
 
-    def __init__(self, nice: int, skip: tuple[str, ...] = (), period_s: float = 5.0):
-        self.nice, self.skip, self.period_s = nice, tuple(skip), period_s
+    def __init__(self, nice: int, skip: tuple[str, ...] = (), session_dir: str | None = None, period_s: float = 5.0):
+        self.nice, self.skip, self.session_dir, self.period_s = nice, tuple(skip), session_dir, period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-cpu-priority", daemon=True)
 
@@ -100,7 +109,7 @@ class PriorityKeeper:
     def _run(self) -> None:
         while True:
             try:
-                lower_serving_priority(self.nice, include_self=False, skip=self.skip)
+                lower_serving_priority(self.nice, include_self=False, skip=self.skip, marker=self.session_dir)
             except Exception as exc:  # noqa: BLE001 - priority is an optimisation, never a failure
                 logger.warning("kvtier: CPU priority pass failed: %s", exc)
             if self._stop.wait(self.period_s):

@@ -97,7 +97,8 @@ def start(cfg: ServiceConfig, *, host: str | None = None, port: int | None = Non
             from .app import deployment_name
 
             engines = tuple(t for n in cfg.engines for t in replica_titles(cfg.server.app_name, deployment_name(n)))
-            _OWNED["priority"] = PriorityKeeper(cfg.server.serving_nice, skip=engines).start()
+            _OWNED["priority"] = PriorityKeeper(cfg.server.serving_nice, skip=engines,
+                                               session_dir=_OWNED["session_dir"]).start()
     serve.start(proxy_location=cfg.server.proxy_location, http_options={"host": host, "port": port})
     app, _ = build_application(cfg, local_ray=started_ray)
     serve.run(app, name=cfg.server.app_name, route_prefix="/", blocking=False)
