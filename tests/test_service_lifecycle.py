@@ -69,7 +69,8 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background):
     try:
         svc.wait_ready()
         log = svc.log()
-        # `kvtier serve` (`make serve TINY=1`) shows the batch limit the embedded config's `max_num_seqs: auto` resolved to
+        # `kvtier serve` (`make serve TINY=1`) shows the batch limit the embedded config's
+        # `max_num_seqs: auto` resolved to
         assert "engine cpu        max_num_seqs 128 (max_num_seqs auto = 128: 256 blocks" in log, log[:3000]
         match = re.search(r"local Ray session (\S+)", log)
         assert match, log[-3000:]

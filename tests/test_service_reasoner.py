@@ -1,4 +1,4 @@
-"""`make serve REASONER=1` (src/kvtier/configs/reasoner.yaml): the shipped trained reasoner behind the
+"""`make serve` (src/kvtier/configs/reasoner.yaml): the shipped trained reasoner behind the
 service answers its task in text a person recognises -- at full attention the exact trace (the restated
 start, one `counter y x` line per step, the question restated, the boxed answer), in the Random Attention
 tier the restated start, the step lines and a boxed answer -- and `kvtier serve` prints a completion

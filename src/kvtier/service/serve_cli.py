@@ -30,11 +30,11 @@ def example_request(url: str, model: str, api_key: str | None = None, task_promp
             f"-d {shlex.quote(json.dumps(body))}")
 
 
-def _task_prompt(cfg) -> str | None:
-    """A held-out problem's prompt when the first engine serves the shipped reasoner."""
+def _task_prompt(cfg, model_id: str) -> str | None:
+    """A held-out problem's prompt when the engine serving `model_id` runs the shipped reasoner."""
     from .config import REASONER_MODEL
 
-    if next(iter(cfg.engines.values())).model != REASONER_MODEL:
+    if not any(cfg.model_id(n) == model_id and e.model == REASONER_MODEL for n, e in cfg.engines.items()):
         return None
     from kvtier.evaluation.reasoner_tasks import eval_problems
 
@@ -114,7 +114,8 @@ def serve_command(
         key = None
         if not cfg.open_mode:
             key = "$KVTIER_API_KEY"
-        typer.echo("Example request:\n  " + example_request(running.url, cfg.model_ids[0], key, _task_prompt(cfg)))
+        model_id = cfg.model_ids[0]
+        typer.echo("Example request:\n  " + example_request(running.url, model_id, key, _task_prompt(cfg, model_id)))
         if cfg.server.metrics_export_port:
             typer.echo(f"kvtier serve: Ray metrics at http://127.0.0.1:{cfg.server.metrics_export_port}/metrics")
         if prometheus:
