@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,14 +14,10 @@ from pathlib import Path
 import psutil
 import yaml
 
+from kvtier.benchmarks.servers import free_port  # noqa: F401 - a port Ray's own start cannot take first
+
 ROOT = Path(__file__).resolve().parents[1]
 KVTIER = str(Path(sys.executable).with_name("kvtier"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def service_env(**extra: str) -> dict[str, str]:

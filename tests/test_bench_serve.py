@@ -51,3 +51,22 @@ def test_targets_are_plain_json_bools_when_met():
                     "auto": {"ratio_to_stock": np.float64(2.1), "preemptions": np.float64(0), "failed": 0}}}
     got = targets(run)
     assert got == {"long.full": True, "long.auto": True} and json.loads(json.dumps(got)) == got
+
+
+def test_server_ports_are_outside_the_ephemeral_range_and_skip_taken_ones(monkeypatch):
+    """A starting Ray binds ephemeral ports of its own; the servers' ports must not be one of them (CI-like
+    failure: Serve's proxy could not bind the port the benchmark had picked)."""
+    import socket
+    from pathlib import Path
+
+    from kvtier.benchmarks import servers
+
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = {servers.free_port() for _ in range(20)}
+    assert all(p in servers.PORT_RANGE and not low <= p <= high and not 10002 <= p <= 19999 for p in ports)
+    with socket.socket() as taken:   # a port already bound is passed over
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        monkeypatch.setattr(servers, "PORT_RANGE", range(busy, busy + 1))
+        with pytest.raises(RuntimeError, match="no free port"):
+            servers.free_port()

@@ -133,21 +133,27 @@ class ServerProcess:
         self._log.close()
 
 
-# Ports a local Ray takes for itself by default (GCS, client server, dashboard, dashboard agent HTTP/gRPC,
-# runtime-env agent): an OS-chosen free port can be one of them before that Ray starts, and Ray then refuses
-# to start ("metrics_export is trying to use a port number 52365 that is used by other components").
-RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365, 52366, 52367})
+# The servers' ports come from below the kernel's ephemeral range (ip_local_port_range, 32768-60999 by
+# default) and above Ray's worker ports (10002-19999): an OS-chosen free port is ephemeral, and while a
+# local Ray starts its processes bind ephemeral ports of their own, so one could take it before Serve's
+# proxy binds it (seen: "Failed to bind to address '127.0.0.1:42341'"). Ray's fixed ports (GCS 6379,
+# dashboard 8265, client 10001, agents 52365-52367) are outside this range too.
+PORT_RANGE = range(21000, 30000)
 
 
 def free_port() -> int:
+    import random
     import socket
 
-    while True:
+    tries = min(200, len(PORT_RANGE))
+    for port in random.sample(PORT_RANGE, tries):
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in RAY_DEFAULT_PORTS:
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1} after {tries} tries")
 
 
 # The stock arms load no vLLM plugin: kvtier's (an entry point of this environment) would otherwise be
