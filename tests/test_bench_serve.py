@@ -54,8 +54,8 @@ def test_targets_are_plain_json_bools_when_met():
 
 
 def test_server_ports_are_outside_the_ephemeral_range_and_skip_taken_ones(monkeypatch):
-    """A starting Ray binds ephemeral ports of its own; the servers' ports must not be one of them (CI-like
-    failure: Serve's proxy could not bind the port the benchmark had picked)."""
+    """A starting Ray binds ephemeral ports of its own; the servers' ports must not be one of them (seen in a
+    three-run benchmark: Serve's proxy could not bind the port the benchmark had picked)."""
     import socket
     from pathlib import Path
 
