@@ -112,3 +112,18 @@ def run_in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
     t = threading.Thread(target=target, daemon=True)
     t.start()
     return t, box
+
+
+def thread_nices(p: psutil.Process) -> set[int]:
+    """The nice values of a process's threads (nice is per thread on Linux); threads or a process that
+    exit meanwhile are skipped."""
+    out = set()
+    try:
+        for t in p.threads():
+            try:
+                out.add(os.getpriority(os.PRIO_PROCESS, t.id))
+            except OSError:
+                pass
+    except psutil.Error:
+        pass
+    return out

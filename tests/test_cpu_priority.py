@@ -19,14 +19,11 @@ import pytest
 psutil = pytest.importorskip("psutil")
 
 from kvtier.service.cpu_priority import lower_serving_priority, replica_titles  # noqa: E402
+from service_helpers import thread_nices  # noqa: E402
 
 SLEEP = "import time; time.sleep(120)"
 # (sys.executable is unknown in a process whose argv[0] is a title: the path is spelled out)
 SPAWN = f"import subprocess, time; subprocess.Popen([{sys.executable!r}, '-c', {SLEEP!r}]); time.sleep(120)"
-
-
-def _nices(pid: int) -> set[int]:
-    return {os.getpriority(os.PRIO_PROCESS, t.id) for t in psutil.Process(pid).threads()}
 
 
 def test_keeper_lowers_serving_processes_but_never_the_engines_subtree(tmp_path):
@@ -59,14 +56,14 @@ def test_keeper_lowers_serving_processes_but_never_the_engines_subtree(tmp_path)
 
         changed = lower_serving_priority(10, include_self=False, skip=(engine_replica,), marker=session)
 
-        got = {n: _nices(pid) for n, pid in pids.items()}
+        got = {n: thread_nices(psutil.Process(pid)) for n, pid in pids.items()}
         assert got == {"plain": {10}, "engine_core": {0}, "engine_core_child": {0}, "engine_replica": {0},
                        "untitled_worker": {0}, "raylet": {0}, "raylet_child": {10}, "not_ray": {0}}, got
         assert changed == len(psutil.Process(pids["plain"]).threads()) + len(psutil.Process(pids["raylet_child"]).threads())
         assert os.getpriority(os.PRIO_PROCESS, 0) == before
         assert lower_serving_priority(10, include_self=False, skip=(engine_replica,), marker=session) == 0
         lower_serving_priority(10, include_self=False, skip=(engine_replica,))   # no session given: every child
-        assert _nices(pids["not_ray"]) == {10}
+        assert thread_nices(psutil.Process(pids["not_ray"])) == {10}
     finally:
         for p in procs.values():
             for c in psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []:

@@ -6,7 +6,6 @@ proxy and replicas, the vLLM engine processes) and nothing whose command line na
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import time
@@ -18,7 +17,7 @@ psutil = pytest.importorskip("psutil")
 pytest.importorskip("ray.serve")
 pytest.importorskip("vllm")
 
-from service_helpers import ServeProcess  # noqa: E402
+from service_helpers import ServeProcess, thread_nices  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
@@ -35,19 +34,6 @@ def _describe(p: psutil.Process) -> str:
         return f"{p.pid} {p.name()} {' '.join(p.cmdline())[:160]}"
     except psutil.Error:
         return str(p.pid)
-
-
-def _thread_nices(p: psutil.Process) -> set[int]:
-    out = set()
-    try:
-        for t in p.threads():
-            try:
-                out.add(os.getpriority(os.PRIO_PROCESS, t.id))
-            except OSError:   # the thread exited meanwhile
-                pass
-    except psutil.Error:
-        pass
-    return out
 
 
 def _session_processes(session: str) -> list[psutil.Process]:
@@ -89,7 +75,7 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background):
         assert _session_processes(session), "no process names the Ray session before the stop"
         # CPU priority (service/cpu_priority.py): vLLM's processes at nice 0, Serve's and Ray's at 19
         assert "Ray's and Serve's processes run at nice 19" in log, log[-3000:]
-        nice = {_describe(p): _thread_nices(p) for p in procs}
+        nice = {_describe(p): thread_nices(p) for p in procs}
         for name, values in nice.items():
             if "VLLM::" in name:
                 assert values == {0}, (name, values)
