@@ -262,6 +262,28 @@ def test_passcode_probe_runs_every_policy(ref, tok):
     assert len([q for q in qps if q - 16 >= b - 1]) == 4       # passcode candidate in exactly 4 rounds
 
 
+def test_probe_commands_write_json_and_table(tiny_model_dir, tmp_path):
+    """`kvtier eval probe-passcode` / `probe-fact`: the JSON and the table land in --out, the table is printed."""
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    small = ["--model", str(tiny_model_dir), "--n", "2", "--budget", "48", "--buffer", "16", "--threads", "1"]
+    res = CliRunner().invoke(app, ["eval", "probe-passcode", *small, "--out", str(tmp_path / "pc"),
+                                   "--policies", "random,full", "--distance", "4", "--seed", "2"])
+    assert res.exit_code == 0, res.output
+    pc = json.loads((tmp_path / "pc" / "passcode.json").read_text())
+    assert set(pc["policies"]) == {"random", "full"}
+    assert (tmp_path / "pc" / "passcode.md").read_text() in res.output
+    res = CliRunner().invoke(app, ["eval", "probe-fact", *small, "--out", str(tmp_path / "pf"),
+                                   "--conditions", "h0=0;h01=0,1", "--distance", "3", "--seed", "1"])
+    assert res.exit_code == 0, res.output
+    pf = json.loads((tmp_path / "pf" / "planted_fact.json").read_text())
+    assert {"h0", "h01", "kept", "deleted"} <= set(pf["conditions"])
+    assert pf["conditions"]["h0"]["pin_violations"] == 0 and "outputs" not in pf
+    assert (tmp_path / "pf" / "planted_fact.md").read_text() in res.output
+
+
 # ----------------------------------------------------------------------------------------------- keep-log
 def test_keeplog_statistics_of_random_match_closed_forms(ref):
     """Survival after n rounds of candidacy is ((K - ℓp)/(K + r - ℓp))^n in steady state; the prompt

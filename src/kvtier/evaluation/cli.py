@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -133,18 +133,40 @@ def eval_keeplog(
                    f"prompt union/head={st['prompt_survival_union']}/{st['prompt_survival_per_head']}")
 
 
-def _engine(model: str, device: Optional[str], dtype: Optional[str]):
+# The options both probes take
+Model = Annotated[str, typer.Option()]
+OutDir = Annotated[Path, typer.Option()]
+Seed = Annotated[int, typer.Option()]
+Device = Annotated[Optional[str], typer.Option()]
+Dtype = Annotated[Optional[str], typer.Option()]
+MaxBatch = Annotated[Optional[int], typer.Option("--max-batch")]
+Threads = Annotated[Optional[int], typer.Option()]
+
+
+def _probe_setup(model: str, device: Optional[str], dtype: Optional[str], threads: Optional[int]):
+    """The reference engine and tokenizer a probe runs on."""
     import torch
+    from transformers import AutoTokenizer
 
     from kvtier.reference import ReferenceEngine
 
-    return ReferenceEngine(model, device=device, dtype=getattr(torch, dtype) if dtype else None)
+    _threads(threads)
+    eng = ReferenceEngine(model, device=device, dtype=getattr(torch, dtype) if dtype else None)
+    return eng, AutoTokenizer.from_pretrained(model)
+
+
+def _write_probe(out: Path, name: str, res: dict, table: str) -> None:
+    """`<out>/<name>.json` and `<name>.md`; the table is also printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(res, indent=2, default=list) + "\n")
+    (out / f"{name}.md").write_text(table)
+    typer.echo(table)
 
 
 @eval_app.command("probe-fact")
 def eval_probe_fact(
-    model: str = typer.Option(...),
-    out: Path = typer.Option(...),
+    model: Model,
+    out: OutDir,
     conditions: str = typer.Option("h0=0;h01=0,1", help="name=sites;... sites: KV heads in every layer ('0,3'), "
                                    "(layer:head) pairs ('1:0,2:3'); two facts: 'name=sites1|sites2'."),
     n: int = typer.Option(16, help="Planted traces."),
@@ -154,20 +176,16 @@ def eval_probe_fact(
     two_facts: bool = typer.Option(False, "--two-facts"),
     second_gap: int = typer.Option(256, "--second-gap"),
     filler: Optional[Path] = typer.Option(None, help="Filler text file (default: synthetic reasoning text)."),
-    seed: int = typer.Option(0),
-    device: Optional[str] = typer.Option(None),
-    dtype: Optional[str] = typer.Option(None),
-    max_batch: Optional[int] = typer.Option(None, "--max-batch"),
-    threads: Optional[int] = typer.Option(None),
+    seed: Seed = 0,
+    device: Device = None,
+    dtype: Dtype = None,
+    max_batch: MaxBatch = None,
+    threads: Threads = None,
 ) -> None:
     """Planted-fact probe (§5.2, Appendix B): retrieval and graded recall R per pinned-head condition."""
-    from transformers import AutoTokenizer
-
     from .probes import format_planted, parse_sites, run_planted_fact
 
-    _threads(threads)
-    eng = _engine(model, device, dtype)
-    tok = AutoTokenizer.from_pretrained(model)
+    eng, tok = _probe_setup(model, device, dtype, threads)
     conds = {}
     for part in conditions.split(";"):
         if not part.strip():
@@ -181,46 +199,34 @@ def eval_probe_fact(
     res = run_planted_fact(eng, tok, conds, n=n, budget=budget, buffer=buffer, distance=distance,
                            two_facts=two_facts, second_gap=second_gap, seed=seed, max_batch=max_batch,
                            filler_text=filler.read_text() if filler else None)
-    out.mkdir(parents=True, exist_ok=True)
     res.pop("outputs", None)
     res.pop("instances_detail", None)
-    (out / "planted_fact.json").write_text(json.dumps(res, indent=2, default=list) + "\n")
-    table = format_planted(res)
-    (out / "planted_fact.md").write_text(table)
-    typer.echo(table)
+    _write_probe(out, "planted_fact", res, format_planted(res))
 
 
 @eval_app.command("probe-passcode")
 def eval_probe_passcode(
-    model: str = typer.Option(...),
-    out: Path = typer.Option(...),
+    model: Model,
+    out: OutDir,
     policies: str = typer.Option("random,snapkv,rkv,vase", help="Comma-separated policies (and/or 'full')."),
     n: int = typer.Option(16),
     budget: int = typer.Option(1024),
     buffer: int = typer.Option(64),
     distance: int = typer.Option(57, help="Eviction rounds between the passcode and the question."),
     filler: Optional[Path] = typer.Option(None),
-    seed: int = typer.Option(0),
-    device: Optional[str] = typer.Option(None),
-    dtype: Optional[str] = typer.Option(None),
-    max_batch: Optional[int] = typer.Option(None, "--max-batch"),
-    threads: Optional[int] = typer.Option(None),
+    seed: Seed = 0,
+    device: Device = None,
+    dtype: Dtype = None,
+    max_batch: MaxBatch = None,
+    threads: Threads = None,
 ) -> None:
     """Passcode probe (§5.3, Table 3): a passcode stated once, `distance` rounds before the question."""
-    from transformers import AutoTokenizer
-
     from .probes import format_passcode, run_passcode
 
-    _threads(threads)
-    eng = _engine(model, device, dtype)
-    tok = AutoTokenizer.from_pretrained(model)
+    eng, tok = _probe_setup(model, device, dtype, threads)
     res = run_passcode(eng, tok, _csv(policies), n=n, budget=budget, buffer=buffer, distance=distance, seed=seed,
                        max_batch=max_batch, filler_text=filler.read_text() if filler else None)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "passcode.json").write_text(json.dumps(res, indent=2) + "\n")
-    table = format_passcode(res)
-    (out / "passcode.md").write_text(table)
-    typer.echo(table)
+    _write_probe(out, "passcode", res, format_passcode(res))
 
 
 @eval_app.command("grade")
