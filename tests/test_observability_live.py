@@ -163,10 +163,11 @@ def test_counters_agree_with_the_load(stack, load):
     wait_for("idle pool", lambda: prom.value("sum(ray_kvtier_kv_blocks_used)") == 0
               and prom.value("sum(ray_kvtier_kv_blocks_free)") == load["total_blocks"])
     assert prom.value("sum(ray_kvtier_eviction_round_seconds_count)") > 0
-    # the batch: kvtier's gauges, refreshed on every load poll, never saw more than max_num_seqs = 8
-    # (that they see a batch at all: test_running_gauge_shows_the_batch)
+    # the batch: kvtier's gauges, refreshed on every load poll, never saw more than max_num_seqs = 8. That
+    # they show a batch at all is test_running_gauge_shows_the_batch's: Ray exports them every 10 s, a sample
+    # of the moment, and the load above can fit between two exports.
     peak = prom.value(f"max(max_over_time(ray_kvtier_requests_running[{WINDOW}]))")
-    assert 1 <= peak <= 8, peak
+    assert peak is not None and peak <= 8, peak
     assert prom.value("sum(ray_kvtier_requests_running)") == 0 and prom.value("sum(ray_kvtier_requests_waiting)") == 0
 
 
@@ -197,7 +198,7 @@ def test_running_gauge_shows_the_batch(stack, load):
             wave = [run_in_thread(http.post, "/v1/completions", json=body) for _ in range(4)]
             for t, box in wave:
                 t.join(300)
-                assert box["result"].status_code == 200, box
+                assert "error" not in box and box["result"].status_code == 200, box
             waves += 1
     print(f"\n[running gauge: peak {peak:g} after {waves} extra waves]")
     assert peak <= 8, peak
