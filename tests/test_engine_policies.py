@@ -112,12 +112,9 @@ def test_policies_choose_differently(batch, audit_path):
 def reference_attention(replay, ids, records, upto):
     """[L, H_q, upto+1, upto+1] fp32 attention weights of the reference model with the engine's keep-sets
     applied (queries see what the compressed cache held at their step)."""
-    from kvtier.reference import visibility
-
     n = upto + 1
-    vis = visibility(replay.num_layers, replay.num_kv_heads, n, records, BUFFER)
-    with replay.masked(vis), torch.no_grad():
-        att = replay.model(input_ids=torch.tensor([ids[:n]]), output_attentions=True).attentions
+    deaths = replay.deaths(records, n, BUFFER) if records else None
+    att = replay.logits(ids[:n], deaths, output_attentions=True).attentions
     return torch.stack([a[0].float() for a in att])
 
 

@@ -23,8 +23,8 @@ Two references, both on a Hugging Face model with a custom attention function:
     the engine's audit format ({req_id, round, query_position, prompt_len, budget, buffer, policy,
     kept: [layers][kv_heads][K]}).
 
-* `MaskedReplay` (scoring): one forward of prompt + generated tokens with a mask per (layer, KV head)
-  rebuilt from audit records (`visibility`); equals attention over the compacted cache, so its
+* `MaskedReplay` (scoring): one forward of prompt + generated tokens under kvtier.deathtime's attention,
+  the death times rebuilt from audit records; equals attention over the compacted cache, so its
   log-probs must match the engine's (or the `ReferenceEngine`'s) up to numerical noise.
 
     eng = ReferenceEngine(model_dir)
@@ -36,11 +36,11 @@ from .attention import ATTN_NAME, CacheAttention, register_attention
 from .batch import DecodeBatch
 from .cache import BatchKVCache
 from .engine import ReferenceEngine
-from .replay import MaskedReplay, visibility
+from .replay import MaskedReplay
 from .requests import Output, Request, SequenceState
 from .rounds import round_due, round_schedule, select_evicted
 
 __all__ = [
     "ATTN_NAME", "BatchKVCache", "CacheAttention", "DecodeBatch", "MaskedReplay", "Output", "ReferenceEngine",
-    "Request", "SequenceState", "register_attention", "round_due", "round_schedule", "select_evicted", "visibility",
+    "Request", "SequenceState", "register_attention", "round_due", "round_schedule", "select_evicted",
 ]

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from kvtier.deathtime import round_positions
 from kvtier.engine.config import EvictionSpec
 from kvtier.policies import EvictionContext
 from kvtier.policies.keyed_random import keyed_victims
@@ -39,14 +40,7 @@ def round_due(spec: EvictionSpec, physical: int, decoded: int, after_round: bool
 
 def round_schedule(prompt_len: int, total_len: int, spec: EvictionSpec) -> list[int]:
     """query_position of every round a sequence of `total_len` tokens (prompt + fed tokens) goes through."""
-    out, physical = [], prompt_len
-    for pos in range(prompt_len, total_len):
-        decoded = pos - prompt_len
-        if round_due(spec, physical, decoded, bool(out)):
-            out.append(pos - 1)
-            physical = spec.schedule().settled_len
-        physical += 1
-    return out
+    return round_positions(spec.schedule(), prompt_len, total_len) if spec.compressed else []
 
 
 def select_evicted(cache: BatchKVCache, seqs: Sequence[SequenceState], rows: list[int], *,

@@ -1,0 +1,98 @@
+"""The attention function registered with transformers: causal attention under per-(layer, KV head)
+death times, ``j <= i < deaths[b, layer, h, j]``, AND the model's own mask (padding).
+
+Contract of the forward kwarg ``kvtier_deaths``: int tensor [B, layers, kv_heads, T], T the forward's
+sequence length, in the batch's column coordinates (`record.place_in_batch`). Without it the layer runs
+transformers' SDPA attention unchanged. A query row with nothing visible (padding) attends to itself, so
+no row is all -inf; a real token always sees itself (an entry dies only after r >= 1 newer queries).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .record import NEVER
+
+ATTN_NAME = "kvtier_deathtime"
+DEATHS_KWARG = "kvtier_deaths"
+# Which implementation runs full-sequence forwards per device type: "mask" (SDPA with a boolean mask,
+# differentiable on CPU) or "flex" (FlexAttention over the death tensor, no [T, T] mask in memory).
+BACKEND = {"cpu": "mask", "cuda": "flex"}
+
+
+def register() -> str:
+    """Register ``ATTN_NAME`` with transformers' attention and mask interfaces (idempotent); returns it.
+    The mask interface is SDPA's, so the mask handed to the function is the model's causal + padding mask."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, deathtime_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    return ATTN_NAME
+
+
+def layer_mask(deaths: Tensor, base: Tensor | None, q_len: int) -> Tensor:
+    """[B, kv_heads, T, T] bool visibility for one layer: deaths [B, kv_heads, T] (its layer's slice);
+    base: the model's bool mask broadcastable to [B, 1, T, T] (None: causal)."""
+    T = deaths.shape[-1]
+    dev = deaths.device
+    i = torch.arange(T - q_len, T, device=dev).view(q_len, 1)
+    j = torch.arange(T, device=dev).view(1, T)
+    vis = (i < deaths.unsqueeze(-2)) & (j <= i)                               # [B, H, q, T]
+    if base is not None:
+        vis = vis & base.to(torch.bool)
+    return vis | (j == i)
+
+
+def deathtime_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                        dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """query [B, Hq, q, d], key/value [B, H, T, d] (post-RoPE) -> ([B, q, Hq, d], None)."""
+    deaths = kwargs.get(DEATHS_KWARG)
+    if deaths is None and not kwargs.get("output_attentions"):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    B, Hq, q_len, _ = query.shape
+    H = key.shape[1]
+    if deaths is None:                                # weights asked for under full attention
+        deaths = torch.full((B, module.layer_idx + 1, H, key.shape[2]), NEVER, device=query.device)
+    d_layer = deaths[:, module.layer_idx].to(query.device)                     # [B, H, T]
+    if d_layer.shape != (B, H, key.shape[2]):
+        raise ValueError(f"{DEATHS_KWARG} must be [B={B}, layers, kv_heads={H}, T={key.shape[2]}]; layer "
+                         f"{module.layer_idx} has {tuple(d_layer.shape)}")
+    if BACKEND.get(query.device.type) == "flex" and q_len == key.shape[2]:
+        return _flex(query, key, value, d_layer, attention_mask, scaling), None
+    vis = layer_mask(d_layer, attention_mask, q_len).repeat_interleave(Hq // H, dim=1)      # [B, Hq, q, T]
+    if kwargs.get("output_attentions"):               # the weights themselves: explicit fp32 softmax
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        k = key.float().repeat_interleave(Hq // H, dim=1)
+        w = torch.softmax((query.float() @ k.transpose(2, 3) * scale).masked_fill(~vis, float("-inf")), dim=-1)
+        out = (w @ value.float().repeat_interleave(Hq // H, dim=1)).to(query.dtype)
+        return out.transpose(1, 2).contiguous(), w
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=vis, scale=scaling,
+                                         dropout_p=dropout if module.training else 0.0, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _flex(query, key, value, d_layer: Tensor, attention_mask, scaling) -> Tensor:
+    """FlexAttention with a mask_mod reading the death tensor (no [T, T] mask in memory)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, Hq, T, _ = query.shape
+    G = Hq // key.shape[1]
+    pad = None
+    if attention_mask is not None:                    # the model's [B, 1, T, T] bool mask: keep its key padding
+        pad = attention_mask.to(torch.bool)[:, 0].any(dim=1)                    # [B, T] keys some query sees
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = (kv_idx <= q_idx) & (q_idx < d_layer[b, h // G, kv_idx])
+        if pad is not None:
+            ok = ok & pad[b, kv_idx]
+        return ok | (q_idx == kv_idx)
+
+    block = create_block_mask(mask_mod, B, Hq, T, T, device=query.device)
+    out = flex_attention(query, key, value, block_mask=block, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
