@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from kvtier.evaluation import reasoner_tasks as rt
+from kvtier.tasks import chains as rt
 from kvtier.evaluation.grader import grade
 from kvtier.models.reasoner import REASONER_DIR, VOCAB_SIZE, build_reasoner_tokenizer
 

@@ -15,7 +15,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray.serve")
 pytest.importorskip("vllm")
 
-from kvtier.evaluation.reasoner_tasks import eval_problems  # noqa: E402
+from kvtier.tasks.chains import eval_problems  # noqa: E402
 from kvtier.service.config import DEFAULT_CONFIG  # noqa: E402
 from service_helpers import ServeProcess  # noqa: E402
 

@@ -8,11 +8,9 @@ from typing import Annotated, List, Optional
 
 import typer
 
+from .cli_common import csv_list as _csv
+
 eval_app = typer.Typer(no_args_is_help=True, help="Accuracy under eviction (paper §4.1 protocol), probes, keep-logs.")
-
-
-def _csv(text: str | None) -> list[str]:
-    return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
 def _threads(n: Optional[int]) -> None:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .cli import _csv
+from .cli_common import csv_list as _csv
 
 
 def register(eval_app: typer.Typer) -> None:

@@ -1,7 +1,7 @@
 """`kvtier eval reasoner`: accuracy of the shipped reasoner under eviction, on the vLLM CPU engine.
 
 Grid: full attention plus ``policies`` x ``budgets``, on held-out problems of both kinds
-(kvtier.evaluation.reasoner_tasks), ``runs`` paired seeds per problem (one sampling + eviction seed per
+(kvtier.tasks.chains), ``runs`` paired seeds per problem (one sampling + eviction seed per
 (problem, run), shared by every cell: runner.request_seed; decoding is greedy by default, so the seeds
 drive random's eviction draws). Generation, grading by ``\\boxed{}`` and the
 per-instance records are the eval runner's (runner._run_vllm / _record); the statistics are report.py's
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import reasoner_tasks as rt
+from kvtier.tasks import chains as rt
 from .runner import Cell, EvalConfig, make_grid, request_seed
 from .stats import bootstrap_replicates
 from .tasks import Problem

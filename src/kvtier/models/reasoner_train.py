@@ -1,7 +1,7 @@
 """Train the shipped reasoner (``kvtier model train-reasoner``): deterministic, CPU, resumable.
 
 Data: every step draws ``batch`` fresh problems (half local chains, half needles) from
-``random.Random(f"{seed}/{step}")`` (kvtier.evaluation.reasoner_tasks), skipping the held-out evaluation
+``random.Random(f"{seed}/{step}")`` (kvtier.tasks.chains), skipping the held-out evaluation
 problems; each sequence is bos + prompt + trace + eos, and the loss is next-token cross-entropy on the
 trace and eos only (the prompt's numbers are random, not predictable). Same seed, steps, thread count and
 precision: same weights (no dropout; data depends on the step only, so a resumed run equals an
@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvtier.evaluation import reasoner_tasks as rt
+from kvtier.tasks import chains as rt
 
 from .reasoner import REASONER_DIR, build_reasoner_tokenizer, reasoner_config
 

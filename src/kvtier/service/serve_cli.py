@@ -36,7 +36,7 @@ def _task_prompt(cfg, model_id: str) -> str | None:
 
     if not any(cfg.model_id(n) == model_id and e.model == REASONER_MODEL for n, e in cfg.engines.items()):
         return None
-    from kvtier.evaluation.reasoner_tasks import eval_problems
+    from kvtier.tasks.chains import eval_problems
 
     return eval_problems(1, "local")[0].prompt
 
