@@ -1,4 +1,5 @@
-"""`kvtier bench ...`: the benchmark commands (each prints JSON). `bench serve` is in serve_cli.py."""
+"""`kvtier bench ...`: the benchmark commands (each prints JSON). `bench serve` is in serve_cli.py,
+`bench goodput` in goodput_cli.py."""
 
 from __future__ import annotations
 
@@ -182,7 +183,9 @@ def bench_table10(ctx: typer.Context) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add `kvtier bench` to the `kvtier` CLI."""
+    from .goodput_cli import register as register_goodput
     from .serve_cli import register as register_serve
 
     app.add_typer(bench_app, name="bench")
     register_serve(app, bench_app)   # kvtier bench serve
+    register_goodput(bench_app)      # kvtier bench goodput

@@ -62,17 +62,17 @@ def bench_args(settings: EngineSettings, server: ServerProcess, w: Workload, hea
 
 
 def counters(arm: str, server: ServerProcess) -> tuple[float | None, float | None]:
-    """(preemptions, eviction events) so far: vLLM's own preemption count (stock: its /metrics; kvtier: its
-    engines' load; rayllm: Ray's metrics export, which lags up to 10 s) and kvtier's applied eviction events
-    (None where there is no kvtier engine)."""
+    """(preemptions, eviction events) so far: vLLM's own preemption count (stock: its /metrics; rayllm:
+    Ray's metrics export, which lags up to 10 s; any other arm is a kvtier server: its engines' load) and
+    kvtier's applied eviction events (None where there is no kvtier engine)."""
     if arm == "stock":
         return prometheus_sum(server.url + "/metrics", "vllm:num_preemptions_total"), None
-    if arm in ("full", "auto"):
-        engines = httpx.get(server.url + "/v1/kvtier/stats", params={"eviction": "true"}, timeout=30).json()["engines"]
-        return (float(sum(e.get("preemptions", 0) for e in engines.values())),
-                float(sum((e.get("eviction") or {}).get("events", 0) for e in engines.values())))
-    time.sleep(12)
-    return prometheus_sum(server.metrics_url, "ray_vllm_num_preemptions_total"), None
+    if arm == "rayllm":
+        time.sleep(12)
+        return prometheus_sum(server.metrics_url, "ray_vllm_num_preemptions_total"), None
+    engines = httpx.get(server.url + "/v1/kvtier/stats", params={"eviction": "true"}, timeout=30).json()["engines"]
+    return (float(sum(e.get("preemptions", 0) for e in engines.values())),
+            float(sum((e.get("eviction") or {}).get("events", 0) for e in engines.values())))
 
 
 def _delta(after: float | None, before: float | None) -> float | None:

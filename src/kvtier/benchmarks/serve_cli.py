@@ -9,6 +9,43 @@ from typing import Optional
 import typer
 
 
+def engine_settings(config: Optional[Path], kv_cache_bytes: Optional[str], max_num_seqs: Optional[int],
+                    max_model_len: Optional[int], default: Optional[Path] = None):
+    """(service config, EngineSettings every arm gets) from a one-engine service YAML and the overrides;
+    `max_num_seqs: auto` is resolved as `kvtier serve` resolves it."""
+    from kvtier.benchmarks.servers import EngineSettings
+    from kvtier.service.app import resolve_model_path
+    from kvtier.service.config import DEFAULT_CONFIG, load_config, parse_bytes
+    from kvtier.service.sizing import resolved_engine_kwargs
+
+    cfg = load_config(config or default or DEFAULT_CONFIG)
+    if len(cfg.engines) != 1:
+        raise typer.BadParameter("the config must have exactly one engine (every arm copies it)", param_hint="--config")
+    (name, eng), = cfg.engines.items()
+    if kv_cache_bytes is not None:
+        eng.kv_cache_bytes = parse_bytes(kv_cache_bytes)
+    if max_model_len is not None:
+        eng.max_model_len = max_model_len
+    path = resolve_model_path(eng.model)
+    seqs = max_num_seqs or resolved_engine_kwargs(cfg, name, path)[0].get("max_num_seqs")
+    if eng.kv_cache_bytes is None or seqs is None:
+        raise typer.BadParameter("the engine needs kv_cache_bytes and max_num_seqs (or auto) so every arm gets the same")
+    return cfg, EngineSettings(model_path=path, model_id=cfg.model_id(name), kv_cache_bytes=eng.kv_cache_bytes,
+                               max_model_len=eng.max_model_len, max_num_seqs=int(seqs))
+
+
+def emit(result: dict, out: Optional[Path], plot: Optional[Path], draw) -> None:
+    """Print the JSON, write it to `out` and the plot to `plot` when given."""
+    text = json.dumps(result, indent=2)
+    typer.echo(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    if plot is not None:
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        draw(result, plot)
+
+
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @bench_app.command("serve")
     def bench_serve(
@@ -30,25 +67,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         routing) on the same engine settings; prints JSON (tok/s, TTFT, TPOT, preemptions, failed, serving
         CPU per 1k tokens, ratios to stock)."""
         from kvtier.benchmarks.serve import Workload, plot as draw, run_serve_bench
-        from kvtier.benchmarks.servers import EngineSettings
-        from kvtier.service.app import resolve_model_path
-        from kvtier.service.config import DEFAULT_CONFIG, load_config, parse_bytes
-        from kvtier.service.sizing import resolved_engine_kwargs
 
-        cfg = load_config(config or DEFAULT_CONFIG)
-        if len(cfg.engines) != 1:
-            raise typer.BadParameter("the config must have exactly one engine (every arm copies it)", param_hint="--config")
-        (name, eng), = cfg.engines.items()
-        if kv_cache_bytes is not None:
-            eng.kv_cache_bytes = parse_bytes(kv_cache_bytes)
-        if max_model_len is not None:
-            eng.max_model_len = max_model_len
-        path = resolve_model_path(eng.model)
-        seqs = max_num_seqs or resolved_engine_kwargs(cfg, name, path)[0].get("max_num_seqs")
-        if eng.kv_cache_bytes is None or seqs is None:
-            raise typer.BadParameter("the engine needs kv_cache_bytes and max_num_seqs (or auto) so every arm gets the same")
-        settings = EngineSettings(model_path=path, model_id=cfg.model_id(name), kv_cache_bytes=eng.kv_cache_bytes,
-                                  max_model_len=eng.max_model_len, max_num_seqs=int(seqs))
+        cfg, settings = engine_settings(config, kv_cache_bytes, max_num_seqs, max_model_len)
         specs = {"short": short, "long": long}
         chosen = {}
         for w in workloads.split(","):
@@ -63,10 +83,4 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"unknown arms {sorted(bad)}", param_hint="--arms")
         result = run_serve_bench(settings, cfg.model_dump(mode="json"), chosen, arms.split(","), runs, workdir,
                                  log=lambda m: typer.echo(m, err=True))
-        text = json.dumps(result, indent=2)
-        typer.echo(text)
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(text + "\n")
-        if plot is not None:
-            draw(result, plot)
+        emit(result, out, plot, draw)

@@ -49,20 +49,19 @@ def simulate_deaths(policy: EvictionPolicy, schedule: EvictionSchedule, prompt_l
     slots[:, :, :prompt_len] = torch.arange(prompt_len)
     key = torch.tensor([seed_key(seed)])
     gen = torch.Generator().manual_seed(int(seed))
-    physical, rounds = prompt_len, 0
-    for p in range(prompt_len, length):
-        if schedule.due(physical, p - prompt_len, rounds > 0):
-            rounds += 1
-            victims = _victims(policy, schedule, slots, physical, prompt_len, p - 1, key, rounds, heads, gen)
-            dead = slots.gather(2, victims)                       # [L, H, e] positions
-            deaths.scatter_(2, dead, torch.full(dead.shape, p, dtype=torch.int32))
-            for l in range(L):
-                plan = hole_fill_plan(victims[l], physical)
-                slots[l].scatter_(1, plan.dst, slots[l].gather(1, plan.src))
-            physical -= victims.shape[-1]
-            slots[:, :, physical:] = -1
-        slots[:, :, physical] = p
-        physical += 1
+    physical, appended = prompt_len, prompt_len          # entries cached, positions appended so far
+    for round_index, qp in enumerate(round_positions(schedule, prompt_len, length), start=1):
+        count = qp + 1 - appended                        # the positions decoded since: one slot each
+        slots[:, :, physical : physical + count] = torch.arange(appended, qp + 1)
+        physical, appended = physical + count, qp + 1
+        victims = _victims(policy, schedule, slots, physical, prompt_len, qp, key, round_index, heads, gen)
+        dead = slots.gather(2, victims)                               # [L, H, e] positions
+        deaths.scatter_(2, dead, torch.full(dead.shape, qp + 1, dtype=torch.int32))
+        for l in range(L):
+            plan = hole_fill_plan(victims[l], physical)
+            slots[l].scatter_(1, plan.dst, slots[l].gather(1, plan.src))
+        physical -= victims.shape[-1]
+        slots[:, :, physical:] = -1
     return deaths
 
 

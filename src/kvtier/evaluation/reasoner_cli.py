@@ -47,3 +47,23 @@ def register(eval_app: typer.Typer) -> None:
         typer.echo(markdown_table(result))
         typer.echo((out / "report.md").read_text())
         typer.echo(json.dumps({k: result[k] for k in ("full_accuracy", "cells", "seconds", "config")}, indent=1))
+
+    @eval_app.command("attention-profile")
+    def eval_attention_profile(
+        model: Optional[str] = typer.Option(None, help="Model directory (default: the shipped src/kvtier/models/reasoner)."),
+        problems: int = typer.Option(16, help="Held-out local chains (gold traces, teacher forced)."),
+        buffer: int = typer.Option(32, help="r: mass on keys more than r positions back is what eviction can take."),
+        out: Optional[Path] = typer.Option(None, help="Write the JSON here too."),
+    ) -> None:
+        """Per head, under full attention on gold traces: attention share older than r, effective number of
+        keys exp(entropy), prompt share (src/kvtier/evaluation/attention_profile.py)."""
+        from kvtier.models.reasoner import reasoner_dir
+
+        from .attention_profile import attention_profile
+
+        res = attention_profile(model or str(reasoner_dir()), problems, buffer)
+        text = json.dumps(res, indent=1)
+        typer.echo(text)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text + "\n")

@@ -28,12 +28,15 @@ def register(model_app: typer.Typer) -> None:
         short_batch: int = typer.Option(d.short_batch, help="Extra short local chains per step (12-40 lines)."),
         warmup: int = typer.Option(d.warmup),
         answer_weight: float = typer.Option(d.answer_weight, help="Loss weight of the boxed answer's tokens."),
+        evict: str = typer.Option(d.evict, help="Train under simulated eviction, POLICY:K[,K...][:r] (e.g. "
+                                  "random:128,256,512:32; src/kvtier/models/train_eviction.py). '': full attention."),
+        full_share: float = typer.Option(d.full_share, help="With --evict: share of samples under full attention."),
     ) -> None:
         """Deterministic CPU training (resumes from OUT/ckpt.pt); writes the model, tokenizer, TRAINING.json."""
         from .reasoner_train import train
 
         rec = train(TrainConfig(steps=steps, seed=seed, batch=batch, lr=lr, threads=threads,
                                 bf16=bf16, init_from=init_from, short_batch=short_batch, warmup=warmup,
-                                answer_weight=answer_weight), out,
+                                answer_weight=answer_weight, evict=evict, full_share=full_share), out,
                     log=lambda s: typer.echo(s))
         typer.echo(json.dumps({k: v for k, v in rec.items() if k != "loss_curve"}, indent=1))

@@ -3,7 +3,8 @@
 Data: every step draws ``batch`` fresh problems (half local chains, half needles) from
 ``random.Random(f"{seed}/{step}")`` (kvtier.tasks.chains), skipping the held-out evaluation
 problems; each sequence is bos + prompt + trace + eos, and the loss is next-token cross-entropy on the
-trace and eos only (the prompt's numbers are random, not predictable). Same seed, steps, thread count and
+trace and eos only (the prompt's numbers are random, not predictable). With ``evict`` each sample is
+trained under a simulated eviction replayed as death-time attention (train_eviction.py: which mix, why). Same seed, steps, thread count and
 precision: same weights (no dropout; data depends on the step only, so a resumed run equals an
 uninterrupted one).
 
@@ -29,6 +30,7 @@ from pathlib import Path
 from kvtier.tasks import chains as rt
 
 from .reasoner import REASONER_DIR, build_reasoner_tokenizer, reasoner_config
+from .train_eviction import EvictMix
 
 BOX_ID = 2   # the tokenizer's id of "\\boxed{" (reasoner.build_reasoner_tokenizer)
 
@@ -51,6 +53,8 @@ class TrainConfig:
     init_from: str = ""            # a trained model directory to continue from (a second phase); "": random init
     short_batch: int = 0           # extra short local chains per step (SHORT_N lines): more trace starts, low counters
     answer_weight: float = 1.0     # loss weight of the boxed answer's tokens (one answer per ~1,000 trace tokens)
+    evict: str = ""                # "POLICY:K[,K...][:r]": train under simulated eviction (train_eviction.py)
+    full_share: float = 0.25       # with evict: the share of samples under full attention
 
 # Short chains for a second phase: the first model's errors were in a trace's first line and at counters
 # below 20; short chains have more of both per token.
@@ -90,13 +94,22 @@ def step_problems(seed: int, step: int, batch: int, exclude: set) -> list:
     return out
 
 
-def _token_weights(labels, answer_weight: float):
-    """[B, T-1] loss weight of each predicted token: 0 off the trace, answer_weight from `\\boxed{` on."""
+def _token_weights(labels, answer_weight: float, no_answer: list[bool] | None = None):
+    """[B, T-1] loss weight of each predicted token: 0 off the trace, answer_weight from `\\boxed{` on
+    (0 for the rows `no_answer` marks)."""
     import torch
 
     tgt = labels[:, 1:]
     answer = torch.cumsum((tgt == BOX_ID).long(), dim=1) > 0
-    return (tgt != -100).float() * torch.where(answer, answer_weight, 1.0)
+    w = (tgt != -100).float() * torch.where(answer, answer_weight, 1.0)
+    if no_answer is not None and any(no_answer):
+        w = w.masked_fill(answer & torch.tensor(no_answer).unsqueeze(1), 0.0)
+    return w
+
+
+def _unanswerable(problems, plan) -> list[bool]:
+    """Needles under eviction: their answer is not trained (train_eviction.py says why)."""
+    return [p.kind == "needle" and k is not None for p, (k, _) in zip(problems, plan)]
 
 
 def short_problems(seed: int, step: int, count: int) -> list:
@@ -111,13 +124,36 @@ def _lr(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def teacher_forced_accuracy(model, tok, problems) -> dict:
-    """Token accuracy of argmax predictions on the trace and the fraction of whole traces all correct."""
+def row_spans(labels) -> tuple[list[int], list[int]]:
+    """(prompt lengths, sequence lengths) of a right-padded batch, read off its labels (-100 on the
+    prompt and the padding)."""
+    import torch
+
+    on = labels != -100
+    first = on.int().argmax(dim=1)
+    last = labels.shape[1] - 1 - on.flip(1).int().argmax(dim=1)
+    return first.tolist(), (last + 1).tolist()
+
+
+def _deaths_for(mix: EvictMix | None, plan, labels, model):
+    """The forward's kvtier_deaths kwarg for a batch (empty when training without eviction)."""
+    if mix is None or all(k is None for k, _ in plan):
+        return {}
+    prompt_lens, lengths = row_spans(labels)
+    cfg = model.config
+    return {"kvtier_deaths": mix.deaths(prompt_lens, lengths, labels.shape[1], plan, cfg.num_hidden_layers,
+                                        cfg.num_key_value_heads)}
+
+
+def teacher_forced_accuracy(model, tok, problems, mix: EvictMix | None = None, budget: int | None = None) -> dict:
+    """Token accuracy of argmax predictions on the trace and the fraction of whole traces all correct;
+    with `mix` and `budget`, under that policy's simulated eviction at K = budget (eviction seed = index)."""
     import torch
 
     ids, labels = _batch(tok, problems, tok.pad_token_id)
+    extra = _deaths_for(mix, [(budget, i) for i in range(len(problems))], labels, model) if budget else {}
     with torch.no_grad():
-        pred = model(input_ids=ids).logits[:, :-1].argmax(-1)
+        pred = model(input_ids=ids, **extra).logits[:, :-1].argmax(-1)
     tgt = labels[:, 1:]
     mask = tgt != -100
     ok = (pred == tgt) | ~mask
@@ -181,11 +217,17 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_reasoner_tokenizer()
+    mix = EvictMix.parse(cfg.evict, cfg.full_share)
+    attn = "sdpa"
+    if mix is not None:            # death-time attention; plain SDPA for forwards without deaths
+        from kvtier.deathtime import register
+
+        attn = register()
     if cfg.init_from:
-        model = Qwen3ForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, attn_implementation="sdpa")
+        model = Qwen3ForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, attn_implementation=attn)
     else:
         mcfg = reasoner_config()
-        mcfg._attn_implementation = "sdpa"
+        mcfg._attn_implementation = attn
         model = Qwen3ForCausalLM(mcfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
     exclude = held_out_keys()
@@ -224,15 +266,19 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         if cfg.short_batch:
             groups.append(short_problems(cfg.seed, step, cfg.short_batch))
         batches = [_batch(tok, g, tok.pad_token_id) for g in groups]
-        weights = [_token_weights(labels, cfg.answer_weight) for _, labels in batches]
+        plans = [mix.assign(cfg.seed, step, str(i), len(g)) if mix else [(None, 0)] * len(g)
+                 for i, g in enumerate(groups)]
+        weights = [_token_weights(labels, cfg.answer_weight, _unanswerable(g, plan))
+                   for (_, labels), g, plan in zip(batches, groups, plans)]
         total = sum(float(w.sum()) for w in weights)
         loss_value = 0.0
-        for (ids, labels), w in zip(batches, weights):   # one weighted mean over every group's trace tokens
+        for (ids, labels), w, plan in zip(batches, weights, plans):   # one weighted mean over every group's trace tokens
+            extra = _deaths_for(mix, plan, labels, model)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                if cfg.answer_weight == 1.0:   # transformers' own loss: how phases 1-2 ran (same bits)
+                if cfg.answer_weight == 1.0 and mix is None:   # transformers' own loss: how phases 1-2 ran (same bits)
                     loss = model(input_ids=ids, labels=labels).loss * (float(w.sum()) / total)
                 else:
-                    logits = model(input_ids=ids).logits[:, :-1].float()
+                    logits = model(input_ids=ids, **extra).logits[:, :-1].float()
                     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:].clamp(min=0),
                                                            reduction="none")
                     loss = (ce * w).sum() / total
@@ -247,7 +293,10 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
             window = []
             if (step + 1) % cfg.eval_every == 0:
                 model.eval()
-                history[-1]["held_out_local"] = teacher_forced_accuracy(model, tok, rt.eval_problems(cfg.held_out, "local"))
+                local = rt.eval_problems(cfg.held_out, "local")
+                history[-1]["held_out_local"] = teacher_forced_accuracy(model, tok, local)
+                for k in (mix.budgets if mix else ()):
+                    history[-1][f"held_out_local_{mix.policy}_K{k}"] = teacher_forced_accuracy(model, tok, local, mix, k)
                 model.train()
             log(json.dumps(history[-1]))
         if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
@@ -256,12 +305,15 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     wall = time.time() - t0
     model.eval()
     held = {k: teacher_forced_accuracy(model, tok, rt.eval_problems(cfg.held_out, k)) for k in rt.KINDS}
+    for k in (mix.budgets if mix else ()):
+        held[f"local_{mix.policy}_K{k}"] = teacher_forced_accuracy(model, tok, rt.eval_problems(cfg.held_out, "local"), mix, k)
     sha = _save_hf(model, tok, out)
     n_params = sum(p.numel() for n, p in model.named_parameters() if n != "lm_head.weight")
     record = {"command": f"kvtier model train-reasoner --steps {cfg.steps} --seed {cfg.seed} --batch {cfg.batch} "
                          f"--lr {cfg.lr} --warmup {cfg.warmup} --threads {cfg.threads}" + ("" if cfg.bf16 else " --no-bf16")
                          + (f" --init-from {cfg.init_from} --short-batch {cfg.short_batch}" if cfg.init_from else "")
-                         + (f" --answer-weight {cfg.answer_weight}" if cfg.answer_weight != 1.0 else ""),
+                         + (f" --answer-weight {cfg.answer_weight}" if cfg.answer_weight != 1.0 else "")
+                         + (f" --evict {mix.describe()} --full-share {cfg.full_share}" if mix else ""),
               "config": asdict(cfg), "data_seed": cfg.seed, "steps": cfg.steps, "sequences": cfg.steps * cfg.batch,
               "parameters": n_params, "model_safetensors_sha256": sha,
               "safetensors_bytes": (out / "model.safetensors").stat().st_size,

@@ -41,6 +41,23 @@ def _task_prompt(cfg, model_id: str) -> str | None:
     return eval_problems(1, "local")[0].prompt
 
 
+def example_tier(cfg, model_id: str, prompt: str | None, max_tokens: int) -> str:
+    """'tier NAME (reason)' the router gives the example request on an idle service (routing.route)."""
+    from .app import resolve_model_path
+    from .routing import RequestShape, RouteError, route
+    from .tokens import PromptCounter
+
+    engine = next(n for n in cfg.engines if cfg.model_id(n) == model_id)
+    if prompt is None:
+        return "the router's choice (a chat request; its length decides)"
+    n = PromptCounter(resolve_model_path(cfg.engines[engine].model)).completion(prompt)
+    try:
+        d = route(cfg, RequestShape(prompt_tokens=n, max_tokens=max_tokens, model=model_id), {t.name for t in cfg.tiers})
+    except RouteError as exc:
+        return f"refused ({exc.reason})"
+    return f"tier {d.tier.name} ({d.reason}) when the engine is not under KV pressure"
+
+
 def serve_command(
     config: Optional[Path] = typer.Option(None, "--config", "-c",
                                           help="Service YAML (default: src/kvtier/configs/local.yaml)."),
@@ -77,9 +94,16 @@ def serve_command(
             typer.echo("kvtier serve: --prometheus scrapes a local Ray only (server.ray_address is set)", err=True)
             raise typer.Exit(2)
     typer.echo(f"kvtier serve: config {path}")
+    from .tier_report import tier_lines
+
+    measured = tier_lines(cfg)
     for t in cfg.tiers:
         budget = "full attention" if not t.compressed else f"K={t.budget} r={t.buffer} policy={t.policy}"
         typer.echo(f"  tier {t.name:<12} engine {t.engine:<10} {budget}{'' if t.auto else ' (explicit only)'}")
+        if t.name in measured:
+            typer.echo(f"       measured: {measured[t.name]}")
+    if "auto" in measured:
+        typer.echo(f"  routing auto   measured: {measured['auto']}")
     for name, eng in cfg.engines.items():
         from .app import resolve_model_path
         from .sizing import resolved_engine_kwargs
@@ -115,7 +139,10 @@ def serve_command(
         if not cfg.open_mode:
             key = "$KVTIER_API_KEY"
         model_id = cfg.model_ids[0]
-        typer.echo("Example request:\n  " + example_request(running.url, model_id, key, _task_prompt(cfg, model_id)))
+        prompt = _task_prompt(cfg, model_id)
+        typer.echo(f"Example request (routed to {example_tier(cfg, model_id, prompt, 1200)}; add "
+                   f"-H '{cfg.routing.tier_header}: full' for full attention):\n  "
+                   + example_request(running.url, model_id, key, prompt))
         if cfg.server.metrics_export_port:
             typer.echo(f"kvtier serve: Ray metrics at http://127.0.0.1:{cfg.server.metrics_export_port}/metrics")
         if prometheus:

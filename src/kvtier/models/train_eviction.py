@@ -1,0 +1,75 @@
+"""Training under the eviction a model is served with (``kvtier model train-reasoner --evict``).
+
+``--evict random:128,256,512:32`` trains with the policy's evictions simulated per sample
+(kvtier.deathtime.simulate_deaths: the engines' schedule and, for random, their keyed draw), replayed as
+death-time attention in the training forward. Each sample independently gets full attention with
+probability ``full_share`` and otherwise one of the budgets, uniformly; its eviction seed is a function of
+(data seed, step, sample), so training stays deterministic.
+
+Why this mix: the served model answers in every tier (full and each K) of a deployment, so every step
+trains all of them, and a share of full-attention samples keeps full attention's accuracy from drifting.
+Why needle answers are not trained under eviction: a key stated once is, under random eviction, gone from
+most heads by the time it is asked for (the seed paper, §5.3); training the boxed key on such samples
+would train guessing, which the needle evaluation must not see rewarded. Their traces are trained under
+eviction like every other trace; their answer tokens get loss weight 0 (weight as usual at full attention).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvtier.policies import EvictionSchedule, make_policy
+
+
+@dataclass(frozen=True)
+class EvictMix:
+    """A parsed ``--evict POLICY:K[,K...][:r]`` and the share of full-attention samples."""
+
+    policy: str
+    budgets: tuple[int, ...]
+    buffer: int = 32
+    full_share: float = 0.25
+
+    @classmethod
+    def parse(cls, text: str, full_share: float = 0.25) -> "EvictMix | None":
+        """'' -> None; 'random:128,256:32' -> EvictMix('random', (128, 256), 32)."""
+        if not text:
+            return None
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or not parts[1]:
+            raise ValueError(f"--evict must be POLICY:K[,K...][:r], got {text!r}")
+        budgets = tuple(int(k) for k in parts[1].split(","))
+        mix = cls(parts[0], budgets, int(parts[2]) if len(parts) == 3 else 32, float(full_share))
+        pol = make_policy(mix.policy)
+        if pol.needs:
+            raise ValueError(f"--evict: policy {mix.policy!r} reads the cache; only policies that read nothing "
+                             "(random, random_shared, random_block, streaming, recency) can be simulated in training")
+        if not 0.0 <= mix.full_share <= 1.0 or any(k <= 0 for k in budgets):
+            raise ValueError(f"--evict: budgets must be > 0 and the full share in [0, 1], got {text!r}, {full_share}")
+        return mix
+
+    def assign(self, seed: int, step: int, tag: str, count: int) -> list[tuple[int | None, int]]:
+        """[(budget or None for full attention, eviction seed)] for `count` samples of one step."""
+        rng = random.Random(f"{seed}/{step}/{tag}/evict")
+        out = []
+        for _ in range(count):
+            full = rng.random() < self.full_share
+            budget = rng.choice(self.budgets)
+            out.append((None if full else budget, rng.getrandbits(63)))
+        return out
+
+    def deaths(self, prompt_lens: list[int], lengths: list[int], width: int, plan: list[tuple[int | None, int]],
+               num_layers: int, num_kv_heads: int):
+        """[B, layers, kv_heads, width] death times of a right-padded batch (full attention: NEVER)."""
+        from kvtier.deathtime import place_in_batch, simulate_deaths
+
+        pol = make_policy(self.policy)
+        recs = [None if k is None else
+                simulate_deaths(pol, EvictionSchedule(k, self.buffer), p, n, num_layers=num_layers,
+                                num_kv_heads=num_kv_heads, seed=s)
+                for (k, s), p, n in zip(plan, prompt_lens, lengths)]
+        return place_in_batch(recs, width, num_layers=num_layers, num_kv_heads=num_kv_heads)
+
+    def describe(self) -> str:
+        return f"{self.policy}:{','.join(map(str, self.budgets))}:{self.buffer}"

@@ -1,0 +1,51 @@
+"""What each tier of a config costs in accuracy and gains in correct answers per second, read from the
+newest committed `kvtier bench goodput` result for the config's model (results/goodput-*.json in a
+checkout; nothing in an installed wheel, which carries no results). `kvtier serve` prints it at start-up;
+the service README's tier table is rendered from it (tests/test_service_tier_report.py keeps them equal).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[3] / "results"
+
+
+def newest_goodput(model_id: str, results: Path = RESULTS) -> tuple[Path, dict] | None:
+    """(path, JSON) of the newest goodput result measured on `model_id` (by file name: the date)."""
+    for path in sorted(results.glob("goodput-*.json"), reverse=True):
+        data = json.loads(path.read_text())
+        if data.get("settings", {}).get("model_id") == model_id:
+            return path, data
+    return None
+
+
+def tier_lines(cfg, results: Path = RESULTS) -> dict[str, str]:
+    """{tier or 'auto': one line of measured accuracy and goodput} for the tiers a result measured."""
+    out: dict[str, str] = {}
+    for model_id in cfg.model_ids:
+        found = newest_goodput(model_id, results)
+        if found is None:
+            continue
+        path, data = found
+        arms = data["arms"]
+        full = arms.get("full", {}).get("correct_per_s")
+        for name, a in arms.items():
+            acc = ", ".join(f"{k} {v:.2f}" for k, v in sorted(a["accuracy"].items()))
+            rel = f", {a['correct_per_s'] / full:.2f}x full attention's correct answers/s" if full else ""
+            stock = a.get("correct_per_s_ratio_to_stock")
+            out[name] = (f"accuracy {acc}{rel}" + (f" ({stock:.2f}x stock vLLM)" if stock is not None else "")
+                         + f" [{path.name}, median of {len(data['runs'])} run(s)]")
+    return out
+
+
+def markdown(cfg, results: Path = RESULTS) -> str:
+    """The service README's table: every tier of `cfg` (and auto), measured or not."""
+    lines = tier_lines(cfg, results)
+    rows = ["| tier | budget | measured (kvtier bench goodput) |", "| --- | --- | --- |"]
+    for t in cfg.tiers:
+        budget = "full attention" if not t.compressed else f"K={t.budget} r={t.buffer} {t.policy}"
+        rows.append(f"| `{t.name}` | {budget} | {lines.get(t.name, 'not measured')} |")
+    rows.append(f"| `auto` | kvtier's routing | {lines.get('auto', 'not measured')} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,78 @@
+"""`kvtier bench goodput`: graded problems through stock vLLM's server and kvtier serve's tiers, driven by
+vLLM's own serving benchmark, stopping at EOS. The end-to-end run is tiny (2 problems per kind); the
+statistics are checked on hand-made per-problem results. No timing is asserted: speed claims come from
+the committed runs (results/goodput-*.json)."""
+
+import json
+
+import pytest
+
+from kvtier.benchmarks.goodput import load_tasks, main_arm, summarize_arm
+
+
+def _raw(arm, correct, lengths, kinds=None, seconds=10.0):
+    kinds = kinds or ["local", "needle"] * (len(correct) // 2)
+    return {"arm": arm, "duration_s": seconds, "tok_per_s": sum(lengths) / seconds, "failed": 0,
+            "ttft_ms": 50.0, "ttft_p99_ms": 90.0, "e2el_ms": 900.0, "e2el_p99_ms": 1500.0,
+            "preemptions": 0.0, "eviction_events": 4.0,
+            "per_problem": [{"pid": f"p{i}", "kind": k, "correct": c, "output_tokens": n, "failed": False}
+                            for i, (c, n, k) in enumerate(zip(correct, lengths, kinds))]}
+
+
+def test_summary_counts_accuracy_goodput_and_length_ratio_by_hand():
+    full = _raw("full", [True, True, True, True], [100, 100, 100, 100], seconds=20.0)
+    k = _raw("k256", [True, False, True, True], [110, 130, 100, 100], seconds=10.0)
+    s = summarize_arm(k, full)
+    assert s["accuracy"] == {"local": 1.0, "needle": 0.5}
+    assert s["correct"] == 3 and s["correct_per_s"] == 0.3
+    assert s["length_ratio_to_full"] == pytest.approx(440 / 400)
+    assert s["mean_output_tokens"] == 110.0
+    assert s["ci"]["needle"]["vs_full"]["diff"] == -0.5 and "vs_full" in s["ci"]["local"]
+    own = summarize_arm(full, full)
+    assert own["length_ratio_to_full"] == 1.0 and "vs_full" not in own["ci"]["local"]
+
+
+def test_tasks_reasoner_default_and_jsonl(tmp_path):
+    tasks = load_tasks("reasoner", 3)
+    assert [t.kind for t in tasks] == ["local", "needle"] * 3 and len({t.pid for t in tasks}) == 6
+    assert all(t.prompt.endswith("\n") and len(t.answer) == 2 for t in tasks)
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="needs 'prompt' and 'answer'"):
+        load_tasks(str(f), 0)
+    f.write_text(json.dumps({"prompt": "2+2=", "answer": 4, "kind": "math"}) + "\n")
+    assert load_tasks(str(f), 0)[0].answer == "4"
+    assert main_arm(["stock", "full", "k512"]) == "k512" and main_arm(["stock", "auto", "k512"]) == "auto"
+
+
+def test_unknown_arm_is_a_usage_error():
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "goodput", "--arms", "stock,k999"])
+    assert r.exit_code == 2 and "k999" in r.output
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+def test_bench_goodput_stock_and_two_kvtier_arms(tmp_path):
+    pytest.importorskip("vllm")
+    pytest.importorskip("ray.serve")
+    from test_benchmarks import run_json
+
+    out, plot = tmp_path / "goodput.json", tmp_path / "goodput.png"
+    r = run_json(["bench", "goodput", "--problems", "2", "--arms", "stock,full,k512", "--concurrency", "4",
+                  "--workdir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)])
+    assert json.loads(out.read_text()) == r and plot.stat().st_size > 1000
+    assert r["commit"] and r["machine"]["cores"] >= 1 and r["settings"]["kv_cache_bytes"] == 8 << 20
+    arms = r["arms"]
+    assert set(arms) == {"stock", "full", "k512"} and len(r["runs"]) == 1
+    for name, a in arms.items():
+        assert a["problems"] == 4 and a["failed"] == 0, (name, a)           # every answer came back and was graded
+        assert set(a["accuracy"]) == {"local", "needle"}
+        assert a["length_ratio_to_full"] > 0 and a["mean_output_tokens"] > 100 and a["correct_per_s"] >= 0
+        assert a["ttft_ms"] > 0 and a["e2el_p99_ms"] >= a["e2el_ms"] * 0.5
+    assert min(arms["full"]["accuracy"].values()) >= 0.9 and arms["full"]["correct_per_s"] > 0
+    assert arms["stock"]["correct_per_s"] > 0 and arms["stock"]["correct_per_s_ratio_to_stock"] == 1.0
+    assert arms["full"]["eviction_events"] == 0 and arms["k512"]["eviction_events"] > 0
