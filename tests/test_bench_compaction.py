@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.benchmarks.compaction import (Cell, CompactionShapes, cell_memory, cpu_vec_write, layout_writer, make_policy,
-                                          run_compaction_bench)
+from kvtier.benchmarks.compaction import (Cell, CompactionShapes, batched_step, cell_memory, check_step, cpu_vec_write,
+                                          layout_writer, make_policy, run_compaction_bench)
 from kvtier.engine.layout import probe_layout
 
 TINY = CompactionShapes(layers=2, kv_heads=2, head_dim=16, block_size=16, buffer=8, query_heads=4, prompt_len=8)
@@ -54,21 +54,21 @@ def test_exactness_check_catches_a_corrupted_row_and_slot_map(layout, pristine):
     cell.restore()
     pos = cell.rearm()
     before = [p.clone() for p in pos]
-    evicted = cell.step("random", policy, pos)
-    assert cell.check(before, evicted, cell.state)
+    evicted = batched_step(cell, "random", policy, pos)
+    assert check_step(cell, before, evicted, cell.state)
     # one kept element of request 1, layer 1, head 0, slot 5 (its K's first run) changes
     rows, view = cell.rows, cell.row_views[1]
     blocks = cell.blocks[1]
     idx = rows.token_rows(blocks[5 // 16].view(1), torch.tensor([0]), torch.tensor([5 % 16]))[0, 0]
     saved = view[idx].clone()
     view[idx] += 1
-    assert not cell.check(before, evicted, cell.state)
+    assert not check_step(cell, before, evicted, cell.state)
     view[idx] = saved
-    assert cell.check(before, evicted, cell.state)
+    assert check_step(cell, before, evicted, cell.state)
     # a slot map that names the wrong slot for two kept positions
     bad = [s.clone() for s in cell.state]
     bad[2][0, 1, [3, 20]] = bad[2][0, 1, [20, 3]]
-    assert not cell.check(before, evicted, bad)
+    assert not check_step(cell, before, evicted, bad)
 
 
 def test_cpu_emulation_is_vllms_own_layout():

@@ -169,6 +169,8 @@ def _initialize_kv_cache(orig):
 
         cfg = EngineEvictionConfig.from_vllm(self.vllm_config)
         self.kvtier = WorkerEviction(self, cfg) if cfg is not None else None
+        if self.kvtier is not None:
+            install_attention_capture(self.kvtier)
     return initialize_kv_cache
 
 
@@ -291,14 +293,25 @@ def wrap_attention_forward(forward, hook_owner):
     return patched
 
 
-# Not installed at import: applied per attention layer instance by the worker (`WorkerEviction`), because
-# the implementation class differs by backend (CPU, FlashAttention, ...). Listed here with the others.
+# Not installed at import: applied per attention layer instance once the worker's `WorkerEviction` exists
+# (install_attention_capture), because the implementation class differs by backend (CPU,
+# FlashAttention, ...). Listed here with the others.
 ATTENTION_CAPTURE = Patch(
     "<attention layer>.impl.forward (per instance)",
     "keep recent post-RoPE queries (and keys, for H2O) of requests whose policy reads them; assumes vLLM "
     "0.31's unified_attention_with_output calls layer.impl.forward(layer, query, key, value, kv_cache, "
     "attn_metadata, ...) eagerly: under full CUDA graphs it is not replayed, so query-reading policies "
     "are refused there (support.py)", wrap_attention_forward)
+
+
+def install_attention_capture(ev) -> None:
+    """Wrap every attention layer of `ev` (a worker_side.WorkerEviction) with ATTENTION_CAPTURE, its hook
+    feeding ev.capture; the hook is looked up on the layer at each call, so a second cache
+    initialisation replaces it."""
+    for li, layer in enumerate(ev.layers):
+        layer.impl.forward = ATTENTION_CAPTURE.make(layer.impl.forward, layer)
+        layer._kvtier_capture = (lambda _layer, q, k, _li=li: ev.capture.capture(_li, q, k)
+                                 if ev.capture.rows else None)
 
 
 PATCHES: tuple[Patch, ...] = (

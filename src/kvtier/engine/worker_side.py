@@ -32,7 +32,6 @@ from . import compat
 from .config import EngineEvictionConfig, EvictionSpec, resolve_request_spec
 from .layout import PagedLayout, probe_layout
 from .paged_compaction import Round, RowLayout, apply_rounds
-from .patches import ATTENTION_CAPTURE
 from .payload import PAYLOAD_ATTR, CompactionOp, StepPayload
 from .query_capture import QueryCapture, WorkerRequest
 from .stats import AuditLog, EvictionStats
@@ -82,7 +81,7 @@ class WorkerEviction:
         if path and self.tp_size > 1:
             path = f"{path}.rank{self.tp_rank}"
         self.audit = AuditLog(path) if path else None
-        self._install_capture()
+        # patches.install_attention_capture wraps every layer's attention to feed self.capture
 
     # -- device tables (layout, rows, heads) and sleep/wake ------------------------------------
     @staticmethod
@@ -206,15 +205,6 @@ class WorkerEviction:
         if self.device.type == "cuda":
             host = host.pin_memory()
         compat.to_physical(runner, num_reqs, host.to(self.device, non_blocking=True), host)
-
-    # -- query capture (policies that read recent queries or accumulated attention) -----------
-    def _install_capture(self) -> None:
-        """Per-layer attention patch (patches.ATTENTION_CAPTURE); the hook is looked up on the layer at
-        each call, so a second cache initialisation replaces it."""
-        for li, layer in enumerate(self.layers):
-            layer.impl.forward = ATTENTION_CAPTURE.make(layer.impl.forward, layer)
-            layer._kvtier_capture = (lambda _layer, q, k, _li=li: self.capture.capture(_li, q, k)
-                                     if self.capture.rows else None)
 
     def _on_new_request(self, req_id: str, sampling_params) -> None:
         if sampling_params is None:

@@ -26,13 +26,17 @@ process that resolves the name. Ways to get it there (any one is enough):
 from __future__ import annotations
 
 BACKEND_NAME = "kvtier"
+# By name, as verl's own registry names its adapters: the replica and adapter modules import this one
+# (so unpickling them registers the backend), and this one imports neither.
 ADAPTER_FQDN = "kvtier.rollout.adapter.KVTierServerAdapter"
+REPLICA_FQDN = "kvtier.rollout.replica.KVTierReplica"
 
 
 def _load_replica():
-    from kvtier.rollout.replica import KVTierReplica
+    import importlib
 
-    return KVTierReplica
+    module, name = REPLICA_FQDN.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
 
 
 def register(name: str = BACKEND_NAME) -> None:

@@ -6,7 +6,7 @@ Every due request holds old_len = K + 2r entries per (layer, KV head) in blocks 
 pool sized for exactly these requests; a steady-state slot map (prompt in the first slots, older
 generated positions in a per-head random order, the r-entry buffer last and chronological). The timed
 steps themselves are `batched_step` (kvtier's) and `floor_step` (the full gather); the check after a
-step is `exactness`.
+step is `exactness.check_step`: they take a cell, the cell knows none of them (no import circle).
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvtier.benchmarks.compaction.batched_step import batched_step
-from kvtier.benchmarks.compaction.exactness import check_step
-from kvtier.benchmarks.compaction.floor_step import floor_keep, floor_step
 from kvtier.benchmarks.compaction.layouts import CompactionShapes, LayoutWriter, cache_shape, pool_size
 from kvtier.policies import EvictionSchedule
 from kvtier.policies.keyed_random import seed_key
@@ -110,20 +107,3 @@ class Cell:
         self.state = [p[:, :, : self.settled].contiguous() for p in pos]
         self.query_position += self.s.buffer
         self.round += 1
-
-    # -- the timed steps and the check (batched_step.py, floor_step.py, exactness.py) ---------------
-    def step(self, name: str, policy, pos: list[Tensor]) -> list[Tensor]:
-        """kvtier's timed engine step (`batched_step`); returns the evicted slots per request."""
-        return batched_step(self, name, policy, pos)
-
-    def floor_keep(self, pos: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-        """(keep, evicted) slots per request for the floor (untimed; `floor_step.floor_keep`)."""
-        return floor_keep(self, pos)
-
-    def floor_step(self, keep: list[Tensor], pos: list[Tensor]) -> None:
-        """The timed floor (`floor_step.floor_step`)."""
-        floor_step(self, keep, pos)
-
-    def check(self, before: list[Tensor], evicted: list[Tensor], after_state: list[Tensor]) -> bool:
-        """The exactness check (`exactness.check_step`)."""
-        return check_step(self, before, evicted, after_state)

@@ -17,7 +17,9 @@ from typing import Callable
 import torch
 
 from kvtier.benchmarks.compaction.cell import Cell
-from kvtier.benchmarks.compaction.floor_step import FLOOR_INDEX_BYTES
+from kvtier.benchmarks.compaction.batched_step import batched_step
+from kvtier.benchmarks.compaction.exactness import check_step
+from kvtier.benchmarks.compaction.floor_step import FLOOR_INDEX_BYTES, floor_keep, floor_step
 from kvtier.benchmarks.compaction.layouts import CompactionShapes, cache_bytes, cache_shape, layout_writer, pool_size
 from kvtier.policies import make_policy
 
@@ -44,14 +46,14 @@ def measure_cell(cell: Cell, policies: list[str], repeats: int) -> dict:
     cell.restore()
     pos = cell.rearm()
     before = [p.clone() for p in pos]
-    keep, evicted = cell.floor_keep(pos)
-    _timed(lambda: cell.floor_step(keep, pos), dev)
-    floor_exact = cell.check(before, evicted, cell.state)
+    keep, evicted = floor_keep(cell, pos)
+    _timed(lambda: floor_step(cell, keep, pos), dev)
+    floor_exact = check_step(cell, before, evicted, cell.state)
     times = []
     for _ in range(repeats):
         pos = cell.rearm()
-        keep, _ev = cell.floor_keep(pos)
-        times.append(_timed(lambda: cell.floor_step(keep, pos), dev)[0])
+        keep, _ev = floor_keep(cell, pos)
+        times.append(_timed(lambda: floor_step(cell, keep, pos), dev)[0])
     floor = statistics.median(times)
     out["floor_ms_per_step"] = round(floor, 4)
     out["floor_exact"] = floor_exact
@@ -61,12 +63,12 @@ def measure_cell(cell: Cell, policies: list[str], repeats: int) -> dict:
         cell.restore()
         pos = cell.rearm()
         before = [p.clone() for p in pos]
-        _ms, evicted = _timed(lambda: cell.step(name, policy, pos), dev)     # warm-up, checked
-        exact = cell.check(before, evicted, cell.state)
+        _ms, evicted = _timed(lambda: batched_step(cell, name, policy, pos), dev)     # warm-up, checked
+        exact = check_step(cell, before, evicted, cell.state)
         times = []
         for _ in range(repeats):
             pos = cell.rearm()
-            times.append(_timed(lambda: cell.step(name, policy, pos), dev)[0])
+            times.append(_timed(lambda: batched_step(cell, name, policy, pos), dev)[0])
         ms = statistics.median(times)
         out["policies"][name] = {"ms_per_step": round(ms, 4), "ms_per_request": round(ms / cell.n, 4),
                                  "ratio_to_floor": round(ms / floor, 4) if floor > 0 else None, "exact": exact}
