@@ -1,5 +1,6 @@
-"""`kvtier generate`: offline generation on the compressed engine (the quickest way to see it work), and
-`kvtier calibrate`: a TriAttention calibration file for the engine's requests."""
+"""`kvtier generate`: offline generation on the compressed engine (the quickest way to see it work),
+`kvtier calibrate`: a TriAttention calibration file for the engine's requests, and `kvtier engine
+supported`: the table of tested configurations."""
 
 from __future__ import annotations
 
@@ -12,7 +13,20 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    """Add `kvtier generate` and `kvtier calibrate` to the `kvtier` CLI."""
+    """Add `kvtier generate`, `kvtier calibrate` and `kvtier engine supported` to the `kvtier` CLI."""
+    engine_app = typer.Typer(no_args_is_help=True, help="The compressed engine's tested configurations.")
+    app.add_typer(engine_app, name="engine")
+
+    @engine_app.command("supported")
+    def supported(as_json: bool = typer.Option(False, "--json", help="Rows as JSON instead of a markdown table.")) -> None:
+        """The configurations kvtier eviction is tested in (src/kvtier/engine/allowlist.py): an engine with
+        additional_config.kvtier off this table refuses to start, naming each setting."""
+        from .allowlist import TESTED, markdown
+
+        if as_json:
+            typer.echo(json.dumps([{"setting": r.setting, "tested": r.tested, "checked_at": r.at} for r in TESTED], indent=1))
+        else:
+            typer.echo(markdown(), nl=False)
 
     @app.command("generate")
     def generate(

@@ -141,6 +141,17 @@ def attention_layers(runner) -> dict:
     return {name: ctx[name] for name in kv_cache_group(runner).layer_names}
 
 
+def attention_backend_name(runner) -> str:
+    """The attention backend the KV cache group's layers run (e.g. CPU_ATTN, FLASH_ATTN)."""
+    layer = next(iter(attention_layers(runner).values()))
+    return layer.attn_backend.get_name()
+
+
+def kernel_block_sizes(runner) -> list[int]:
+    """The attention kernels' block size per KV cache group (vLLM splits manager blocks when it differs)."""
+    return list(getattr(runner, "_kernel_block_sizes", None) or ())
+
+
 def layer_cache(layer) -> torch.Tensor:
     return layer.kv_cache if isinstance(layer.kv_cache, torch.Tensor) else layer.kv_cache[0]
 

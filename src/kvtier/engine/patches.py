@@ -38,9 +38,14 @@ def _resolve(target: str):
 def _create_engine_config(orig):
     @functools.wraps(orig)
     def create_engine_config(self, *args, **kwargs):
-        config = orig(self, *args, **kwargs)
-        from .support import check_supported
+        from .support import V2_ADVICE, UnsupportedEngineConfig, check_supported, v2_refusal
 
+        try:
+            config = orig(self, *args, **kwargs)
+        except ValueError as exc:          # vLLM's "needs Model Runner V2" advice, which kvtier would refuse
+            if V2_ADVICE not in str(exc) or "kvtier" not in (getattr(self, "additional_config", None) or {}):
+                raise
+            raise UnsupportedEngineConfig(v2_refusal(str(exc))) from exc
         check_supported(config)
         return config
     return create_engine_config
@@ -49,8 +54,17 @@ def _create_engine_config(orig):
 def _process_inputs(orig):
     @functools.wraps(orig)
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
-        request = orig(self, request_id, prompt, params, *args, **kwargs)
-        from .support import validate_engine_request
+        from vllm.exceptions import VLLMValidationError
+
+        from .config import EngineEvictionConfig
+        from .support import V2_ADVICE, KVTierRequestError, v2_refusal, validate_engine_request
+
+        try:
+            request = orig(self, request_id, prompt, params, *args, **kwargs)
+        except VLLMValidationError as exc:   # e.g. prompt_logprob_token_ids: vLLM advises Model Runner V2
+            if V2_ADVICE not in str(exc) or EngineEvictionConfig.from_vllm(self.vllm_config) is None:
+                raise
+            raise KVTierRequestError(v2_refusal(str(exc)), parameter=getattr(exc, "parameter", None)) from exc
 
         validate_engine_request(self.vllm_config, request)
         return request
@@ -162,15 +176,27 @@ def _allocate_slots(orig):
 # -- worker process --------------------------------------------------------------------------------
 def _initialize_kv_cache(orig):
     @functools.wraps(orig)
-    def initialize_kv_cache(self, *args, **kwargs):
-        orig(self, *args, **kwargs)
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        orig(self, kv_cache_config, *args, **kwargs)
+        from . import compat
+        from .allowlist import worker_violations
         from .config import EngineEvictionConfig
+        from .support import UnsupportedEngineConfig
         from .worker_side import WorkerEviction
 
         cfg = EngineEvictionConfig.from_vllm(self.vllm_config)
-        self.kvtier = WorkerEviction(self, cfg) if cfg is not None else None
-        if self.kvtier is not None:
-            install_attention_capture(self.kvtier)
+        # The CUDA-graph memory profile initialises a throw-away cache first (is_profiling=True): no
+        # WorkerEviction for it, whose row views would keep that buffer alive next to the real cache.
+        if cfg is None or kwargs.get("is_profiling", args[0] if args else False):
+            self.kvtier = None
+            return
+        problems = worker_violations(compat.attention_backend_name(self), compat.kernel_block_sizes(self),
+                                     compat.kv_cache_group(self).kv_cache_spec.block_size)
+        if problems:
+            raise UnsupportedEngineConfig("kvtier eviction (additional_config.kvtier) cannot run with: "
+                                          + "; ".join(problems) + " (tested configurations: `kvtier engine supported`)")
+        self.kvtier = WorkerEviction(self, cfg)
+        install_attention_capture(self.kvtier)
     return initialize_kv_cache
 
 

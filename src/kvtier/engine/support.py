@@ -12,116 +12,38 @@ from __future__ import annotations
 
 from vllm.exceptions import VLLMValidationError
 
-from kvtier.policies import PolicyError, policy_class
-from kvtier.policies.base import ATTENTION, QUERIES
-
+from .allowlist import captured_needs, full_cudagraph_setting, v2_model_runner_conflict, violations
 from .config import REQUEST_KEYS, EngineEvictionConfig, EvictionConfigError, resolve_request_spec, validate_request
-
-# What the Python query-capture wrapper feeds: policies declaring these need it to run on every decode step.
-PYTHON_CAPTURED_NEEDS = frozenset({QUERIES, ATTENTION})
-# vLLM's attention custom op (CUDA/ROCm/XPU/CPU register attention as one opaque op). Under piecewise CUDA
-# graphs it is a splitting op: vLLM 0.31's CompilationConfig.set_splitting_ops_for_v1 defaults
-# splitting_ops to `_attention_ops` (which include it), the captured pieces are the code *between*
-# attention calls, and the op itself runs eagerly each step -> unified_attention_with_output ->
-# layer.impl.forward, i.e. through kvtier's wrapper. So PIECEWISE (and NONE) keep the capture working;
-# only a FULL decode graph (or piecewise graphs whose splitting_ops omit attention) replays attention
-# without the Python wrapper. (Under piecewise graphs the query the wrapper sees is a graph-owned buffer that
-# the next replay overwrites: the capture copies it into per-request state, it keeps no view.) The check
-# reads the config as create_engine_config leaves it; the V1 runner may still lower cudagraph_mode when
-# the attention backend cannot do full graphs, never raise it, so the check errs only towards refusing.
-ATTENTION_SPLITTING_OP = "vllm::unified_attention_with_output"
 
 
 class UnsupportedEngineConfig(EvictionConfigError):
     pass
 
 
+V2_ADVICE = "VLLM_USE_V2_MODEL_RUNNER=1"
+
+
+def v2_refusal(vllm_message: str) -> str:
+    """vLLM's advice to switch to Model Runner V2, and why that is no way out with kvtier, in one message."""
+    return (f"{vllm_message.rstrip('.')} -- but this engine runs kvtier eviction (additional_config.kvtier), "
+            f"which patches the V1 model runner and refuses {V2_ADVICE}: the feature is not available with "
+            "kvtier eviction (tested configurations: `kvtier engine supported`)")
+
+
 class KVTierRequestError(VLLMValidationError, ValueError):
     """A request's kvtier parameters are invalid (HTTP 400 through vLLM's API server)."""
 
 
-def v2_model_runner_conflict(vllm_config) -> str | None:
-    """Why this config cannot run on the V1 model runner kvtier patches, or None. Only what forces Model
-    Runner V2 (vLLM 0.31 `VllmConfig.use_v2_model_runner`): an explicit VLLM_USE_V2_MODEL_RUNNER=1, HiSparse
-    or watermarking. vLLM's *default* choice of V2 (GPU with Triton) is overridden, not refused."""
-    import vllm.envs as envs
-
-    if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None:
-        return ("attention_config.hisparse_config (HiSparse requires vLLM's Model Runner V2; kvtier patches "
-                "the V1 GPUModelRunner only)")
-    if getattr(vllm_config, "watermark_config", None) is not None:
-        return ("watermark_config (watermarking requires vLLM's Model Runner V2; kvtier patches the V1 "
-                "GPUModelRunner only)")
-    if envs.VLLM_USE_V2_MODEL_RUNNER is True:
-        return ("VLLM_USE_V2_MODEL_RUNNER=1 (kvtier patches the V1 GPUModelRunner only): unset it or set "
-                "VLLM_USE_V2_MODEL_RUNNER=0")
-    return None
-
-
-def full_cudagraph_setting(vllm_config) -> str | None:
-    """The setting under which attention runs inside a CUDA graph (so kvtier's Python query capture is not
-    replayed), or None. On CPU cudagraph_mode is NONE."""
-    cc = getattr(vllm_config, "compilation_config", None)
-    mode = getattr(cc, "cudagraph_mode", None)
-    if not mode:  # None or CUDAGraphMode.NONE (falsy)
-        return None
-    if mode.has_full_cudagraphs():
-        return f"compilation_config.cudagraph_mode={mode.name} (full CUDA graphs)"
-    if mode.has_piecewise_cudagraphs() and cc.splitting_ops is not None \
-            and ATTENTION_SPLITTING_OP not in cc.splitting_ops:
-        return (f"compilation_config.cudagraph_mode={mode.name} with splitting_ops {cc.splitting_ops} "
-                f"(attention inside piecewise CUDA graphs; keep {ATTENTION_SPLITTING_OP!r} in splitting_ops)")
-    return None
-
-
-def _captured_needs(policy: str) -> frozenset[str]:
-    return frozenset(policy_class(policy).needs) & PYTHON_CAPTURED_NEEDS
-
-
 def check_supported(vllm_config, kv_cache_config=None) -> None:
-    cfg = EngineEvictionConfig.from_vllm(vllm_config)
-    if cfg is None:
+    """Refuse an engine with kvtier eviction whose config is off the tested table (allowlist.TESTED),
+    naming every setting that is, in one message."""
+    if EngineEvictionConfig.from_vllm(vllm_config) is None:
         return
-    problems = []
-    if vllm_config.cache_config.enable_prefix_caching:
-        problems.append("prefix caching (compaction rewrites block contents): pass enable_prefix_caching=False")
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding")
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        problems.append("pipeline parallelism (pipeline_parallel_size > 1)")
-    mc = vllm_config.model_config
-    if mc.use_mla:
-        problems.append("MLA attention models")
-    if mc.get_sliding_window() is not None or getattr(mc.hf_text_config, "layer_types", None) and any(
-            "sliding" in str(t) for t in mc.hf_text_config.layer_types):
-        problems.append("sliding-window attention models")
-    if vllm_config.cache_config.cache_dtype not in ("auto", "bfloat16", "float16"):
-        problems.append(f"quantized KV cache (kv_cache_dtype={vllm_config.cache_config.cache_dtype})")
-    v2 = v2_model_runner_conflict(vllm_config)
-    if v2 is not None:
-        problems.append(v2)
-    graphs = full_cudagraph_setting(vllm_config)
-    if graphs is not None:
-        try:
-            reads = _captured_needs(cfg.default.policy)
-        except PolicyError as exc:
-            problems.append(f"default policy: {exc}")
-        else:
-            if reads:
-                problems.append(
-                    f"{graphs} with default policy {cfg.default.policy!r}, which reads {sorted(reads)} that "
-                    "kvtier captures in Python inside attention (not replayed by CUDA graphs): pass "
-                    "compilation_config={'cudagraph_mode': 'PIECEWISE'} or enforce_eager=True, or serve "
-                    "only policies that read no queries/attention (e.g. random, recency)")
-    if kv_cache_config is not None:
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
-            problems.append("models whose KV cache is not one full-attention group (hybrid/sliding/MLA)")
+    problems = violations(vllm_config, kv_cache_config)
     if problems:
         raise UnsupportedEngineConfig(
-            "kvtier eviction (additional_config.kvtier) cannot run with: " + "; ".join(problems))
+            "kvtier eviction (additional_config.kvtier) cannot run with: " + "; ".join(problems)
+            + " (tested configurations: `kvtier engine supported`)")
 
 
 def validate_engine_request(vllm_config, request) -> None:
@@ -146,7 +68,7 @@ def validate_engine_request(vllm_config, request) -> None:
         raise KVTierRequestError(str(exc), parameter=next(iter(asked), None)) from None
     if spec.compressed:
         graphs = full_cudagraph_setting(vllm_config)
-        reads = _captured_needs(spec.policy) if graphs is not None else frozenset()
+        reads = captured_needs(spec.policy) if graphs is not None else frozenset()
         if reads:
             raise KVTierRequestError(
                 f"kvtier_policy {spec.policy!r} reads {sorted(reads)}, which kvtier captures in Python inside "
