@@ -2,8 +2,9 @@
 
 Each rank holds one of the tiny model's two KV heads and evicts over it alone; its audit log is its own
 (`<audit_log>.rank<r>`, records carry the global head indices). Checked: both ranks run rounds; the
-merged keep-sets replayed through the masked reference reproduce the engine's log-probs; and they are
-exactly the keep-sets a one-rank engine draws for the same seeded request (keys use the global head).
+merged keep-sets replayed through the masked reference reproduce the engine's log-probs; they are
+exactly the keep-sets a one-rank engine draws for the same seeded request (keys use the global head);
+and a policy failing on rank 1 alone ends its request with an error.
 """
 
 import json
@@ -33,7 +34,18 @@ SCRIPT = textwrap.dedent('''
     def counters(worker):
         ev = worker.model_runner.kvtier
         return {"rank": ev.tp_rank, "heads": ev.global_heads.tolist(),
-                "events": ev.stats.snapshot(None)["engine"]["events"]}
+                "events": ev.stats.snapshot(None)["engine"]["events"],
+                "policy_failures": ev.stats.snapshot(None)["engine"]["policy_failures"]}
+
+
+    def break_rank_1(worker):
+        """A policy bug on rank 1 only: its scored selections raise; rank 0's succeed."""
+        ev = worker.model_runner.kvtier
+        if ev.tp_rank == 1:
+            def fail(*args, **kwargs):
+                raise RuntimeError("scoring exploded on rank 1")
+            ev._select_one = fail
+        return ev.tp_rank
 
 
     def main(model, audit):
@@ -46,10 +58,18 @@ SCRIPT = textwrap.dedent('''
                             extra_args=sampling_extra_args(budget=%(budget)d, seed=%(seed)d))
         out = llm.generate([%(prompt)r], sp, use_tqdm=False)[0]
         c = out.outputs[0]
+        ranks = llm.collective_rpc(counters)
+        llm.collective_rpc(break_rank_1)
+        mixed = [SamplingParams(max_tokens=%(tokens)d, temperature=0, ignore_eos=True,
+                                extra_args=sampling_extra_args(budget=%(budget)d, policy=p, seed=%(seed)d))
+                 for p in ("snapkv", "random")]
+        after = llm.generate([%(prompt)r + " a", %(prompt)r + " b"], mixed, use_tqdm=False)
         print("RESULT" + json.dumps({
             "request_id": out.request_id, "prompt_ids": list(out.prompt_token_ids), "token_ids": list(c.token_ids),
-            "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-            "ranks": llm.collective_rpc(counters)}), flush=True)
+            "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], "ranks": ranks,
+            "rank1_failure": [{"finish_reason": o.outputs[0].finish_reason, "tokens": len(o.outputs[0].token_ids)}
+                              for o in after],
+            "ranks_after": llm.collective_rpc(counters)}), flush=True)
 
 
     if __name__ == "__main__":
@@ -102,6 +122,16 @@ def test_tp2_ranks_evict_their_heads_and_match_the_masked_reference(tp2, tiny_mo
     assert err.max() < 0.06, f"max |TP=2 engine - masked reference| = {err.max():.4f}"
     first = min(r["query_position"] for r in rounds) + 1 - plen + 1
     assert (eng - replay.logprobs(ids, plen, [], BUFFER)).abs()[first:].max() > 0.3
+
+
+def test_a_policy_failure_on_rank_1_finishes_its_request_with_an_error(tp2):
+    """vLLM returns only the output rank's step output; a policy that fails on rank 1 alone must still end
+    its request with an error (not a 200 with rank 0's policy and rank 1's fallback), and only that one."""
+    res, _ = tp2
+    snapkv, random = res["rank1_failure"]
+    assert snapkv["finish_reason"] == "error" and snapkv["tokens"] < TOKENS
+    assert random == {"finish_reason": "length", "tokens": TOKENS}
+    assert [r["policy_failures"] for r in res["ranks_after"]] == [0, 1]
 
 
 def test_tp2_keep_sets_equal_the_one_rank_engine(tp2, tiny_model_dir, tmp_path):

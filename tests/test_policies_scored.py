@@ -498,3 +498,68 @@ def test_snapkv_window_attention_equals_the_causal_model_attention(w, r, with_po
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5)
     old = causal_reference(ctx.keys, positions, ctx.buffer_keys, ctx.queries, qp, causal=False)
     assert not torch.allclose(got.double(), old, rtol=1e-3, atol=1e-4), "the mask must matter in this example"
+
+
+# -- the three choices that differ from kvpress / R-KV, pinned against hand computations (issue #25) ------
+def _ctx_from_logits(logits_per_query: list[list[float]], buffer_logits=None, group: int = 1):
+    """A one-KV-head context with given window logits [G*w][S]: query row n is the unit vector e_n and key
+    j holds every row's logit for it along those directions (times sqrt(d)), so q_n . k_j / sqrt(d) is
+    logits[n][j]; buffer keys likewise."""
+    rows = len(logits_per_query)
+    S = len(logits_per_query[0])
+    d = rows
+    keys = torch.tensor(logits_per_query, dtype=torch.float64).T.reshape(1, S, d) * d ** 0.5
+    queries = torch.eye(d, dtype=torch.float64).reshape(group, rows // group, d)   # [G, w, d] for H = 1
+    buf = None
+    if buffer_logits is not None:
+        buf = torch.tensor(buffer_logits, dtype=torch.float64).T.reshape(1, -1, d) * d ** 0.5
+    return EvictionContext(positions=torch.arange(S).view(1, S), budget=2, prompt_len=0, keys=keys,
+                           queries=queries, buffer_keys=buf)
+
+
+def test_snapkv_max_pools_as_snapkv_and_rkv_not_average_pools_as_kvpress():
+    logits = [[0.0, 3.0, 0.0, 0.0, 0.0, 1.0]]
+    ctx = _ctx_from_logits(logits)
+    a = torch.softmax(torch.tensor(logits[0], dtype=torch.float64), 0)
+    want = torch.stack([a[max(i - 1, 0): i + 2].max() for i in range(6)])                    # kernel 3, max
+    kvpress = torch.nn.functional.avg_pool1d(a.view(1, 1, -1), 3, 1, 1, count_include_pad=False).view(-1)
+    got = SnapKVPolicy(window=1, kernel=3).score(ctx)[0].double()
+    assert torch.allclose(got, want, atol=1e-6) and not torch.allclose(got, kvpress, atol=1e-3)
+
+
+def test_snapkv_averages_the_query_group_before_pooling():
+    """G = 2 query heads of one KV head peaking at different candidates: pool(mean) != mean(pool)."""
+    logits = [[4.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0]]
+    ctx = _ctx_from_logits(logits, group=2)
+    a = torch.softmax(torch.tensor(logits, dtype=torch.float64), 1)                             # [G, S]
+
+    def maxpool(x):
+        return torch.stack([x[max(i - 1, 0): i + 2].max() for i in range(len(x))])
+
+    ours, kvpress_order = maxpool(a.mean(0)), (maxpool(a[0]) + maxpool(a[1])) / 2
+    got = SnapKVPolicy(window=1, kernel=3).score(ctx)[0].double()
+    assert torch.allclose(got, ours, atol=1e-6) and not torch.allclose(got, kvpress_order, atol=1e-3)
+
+
+def test_rkv_softmax_covers_the_buffer_keys_and_differs_from_rkvs_for_two_window_queries():
+    """ŝ: per-query softmax over candidates + buffer keys, summed over the window, max-pooled, mean 1.
+    One window query: the same ranking as R-KV's candidates-only softmax; two queries with different
+    mass on the buffer: a different ranking."""
+    cand = [[2.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 1.2]]                 # two window queries (older, newer)
+    buf = [[0.0, 9.9], [4.0, 0.0]]                                       # r = 2 buffer keys, the newest = query 2
+    policy = make_policy("rkv", window=2, kernel=1)
+
+    def hand(rows, buffer):
+        """Causal: window query t (of w) sees the buffer keys not newer than itself, buffer[:r - (w-1-t)]."""
+        w, r = len(rows), len(buffer[0])
+        sm = [torch.softmax(torch.tensor(row + b[: r - (w - 1 - t)], dtype=torch.float64), 0)[: len(row)]
+              for t, (row, b) in enumerate(zip(rows, buffer))]
+        s = torch.stack(sm).sum(0)
+        return s / s.mean()
+
+    got = policy.importance(_ctx_from_logits(cand, buffer_logits=buf))[0].double()
+    assert torch.allclose(got, hand(cand, buf), atol=1e-6)
+    rkv_own = hand(cand, [[], []])                                       # R-KV: candidates only
+    assert got.argsort().tolist() != rkv_own.argsort().tolist()
+    one = make_policy("rkv", window=1, kernel=1).importance(_ctx_from_logits(cand[:1], buffer_logits=buf[:1]))[0]
+    assert one.double().argsort().tolist() == hand(cand[:1], [[]]).argsort().tolist()

@@ -156,6 +156,17 @@ def layer_cache(layer) -> torch.Tensor:
     return layer.kv_cache if isinstance(layer.kv_cache, torch.Tensor) else layer.kv_cache[0]
 
 
+def tp_all_gather_object(obj) -> list:
+    """Every tensor-parallel rank's `obj`, over the TP group's CPU (gloo) group; every rank must call it."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    out = [None] * group.world_size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
 def tensor_parallel(runner) -> tuple[int, int]:
     """(rank, world size) of tensor parallelism in this worker."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size

@@ -76,6 +76,7 @@ class WorkerEviction:
         self.capture = QueryCapture(self.rows, self.row_views, scales, self.device)
         self.requests: dict[str, WorkerRequest] = {}
         self.failures: dict[str, str] = {}
+        self._compacted_this_step = False
         self.stats = EvictionStats()
         path = cfg.audit_log
         if path and self.tp_size > 1:
@@ -152,7 +153,16 @@ class WorkerEviction:
         self.stats.finish(req_ids)
 
     def take_failures(self) -> dict[str, str] | None:
-        """Requests whose policy failed since the last call (req_id -> error), for the step's output."""
+        """Requests whose policy failed this step on any tensor-parallel rank (req_id -> error), for the
+        step's output. vLLM returns only the output rank's ModelRunnerOutput, so under TP the ranks gather
+        their failures on every step that ran compaction (the only steps where a policy can fail; every rank
+        knows which steps those are, the scheduler output is the same): one small gloo all-gather then."""
+        if self.tp_size > 1 and self._compacted_this_step:
+            merged: dict[str, str] = {}
+            for rank, part in enumerate(compat.tp_all_gather_object(self.failures)):
+                merged.update({rid: f"tp rank {rank}: {err}" for rid, err in (part or {}).items()})
+            self.failures = merged
+        self._compacted_this_step = False
         if not self.failures:
             return None
         out, self.failures = self.failures, {}
@@ -172,6 +182,7 @@ class WorkerEviction:
                 self.audit.write(req_id=rid, reset_row=row)
         self.stats.engine.blocks_freed += payload.blocks_freed
         self.stats.engine.preemptions_compressed += payload.preempted_compressed
+        self._compacted_this_step = bool(payload.ops)
         if payload.ops:
             t0 = time.perf_counter()
             self._compact(payload.ops)

@@ -33,8 +33,13 @@ class RKVPolicy(SnapKVPolicy):
     """s_i = λ · ŝ_i + (1 − λ) · (1 − c̄_i)   (paper §2; λ = `mix_lambda`).
 
     ŝ_i is the SnapKV score (window attention, causal and max-pooled; `window`/`kernel` as in `snapkv`)
-    divided by its per-head mean over the candidates, so ŝ has mean 1 whatever the window length or
-    softmax denominator. c̄_i is the mean cosine similarity of k_i to the other cached (post-RoPE) keys:
+    divided by its per-head mean over the candidates, so ŝ has mean 1. Its softmax runs over the
+    candidates **and** the recent buffer's keys (as `snapkv`); R-KV's covers the candidates only. For a
+    window of one query the two rank candidates identically (the extra keys only rescale the one softmax,
+    and the mean-1 scaling removes the scale); for w > 1 they do not: each window query's vote is weighted
+    by the share of its mass that falls on the candidates rather than the buffer, a share R-KV's softmax
+    fixes at 1 (on the reasoner's real keys no keep-set of 16 was identical). Pinned by
+    tests/test_policies_scored.py. c̄_i is the mean cosine similarity of k_i to the other cached (post-RoPE) keys:
     the other candidates and the recent buffer's keys (the window's own keys among them) when the engine
     provides them (`buffer_keys`, which both engines do), N − 1 = S + r − 1 of them, as in the paper's
     c̄_i = 1/(N−1) Σ_{j≠i} cos(k_i, k_j) over the cached keys and in R-KV's `cal_similarity`, which runs

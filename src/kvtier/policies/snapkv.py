@@ -15,7 +15,15 @@ from .scoring import grouped_window_attention
 @register
 @dataclass(kw_only=True, eq=False, repr=False)
 class SnapKVPolicy(EvictionPolicy):
-    """s_i = maxpool_k( Σ_{t in window} α_i^(t) ), averaged over each KV head's query group.
+    """s_i = maxpool_k( mean_{g in group} Σ_{t in window} α_{g,i}^(t) ): the window's attention averaged
+    over each KV head's query group first, then max-pooled over k neighbouring candidates.
+
+    Two choices differ from kvpress's SnapKVPress and are pinned by tests/test_policies_scored.py:
+    * **max-pooling**, as SnapKV's released code and R-KV (`rkv/compression/snapkv.py`) do; kvpress
+      average-pools (`F.avg_pool1d`). A max keeps a single sharp peak's neighbours as high as the peak.
+    * **group mean, then pool** (G > 1 query heads per KV head): kvpress pools each query head's scores,
+      then averages over the group. With max-pooling the orders differ (two heads peaking at different
+      positions: the mean of their pooled maxima is not the pool of their mean).
 
     `window` is how many recent queries the engine keeps (it provides `queries` [H_q, w, d]);
     softmax runs over candidates plus the recent buffer's keys when the engine provides them.
