@@ -119,3 +119,12 @@ def gather_rows(layout: RowLayout, rows: Tensor, blocks: Tensor, slots: Tensor) 
     d = layout.head_dim
     kv = rows[idx.reshape(-1)].view(H, n, 2 * d)
     return kv[..., :d], kv[..., d:]
+
+
+def to_device(values: list[int], device: torch.device) -> Tensor:
+    """A long tensor on `device` from host values without a blocking copy: pinned host memory and a
+    non-blocking transfer on CUDA (a tensor built from a list on a GPU waits for the forward in flight)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

@@ -18,7 +18,7 @@ from kvtier.policies.base import ATTENTION, BUFFER_KEYS, KEYS, QUERIES, VALUES
 from kvtier.policies.keyed_random import keyed_victims
 from kvtier.policies.random import RandomPolicy
 
-from .paged_compaction import RowLayout, gather_rows
+from .paged_compaction import RowLayout, gather_rows, to_device
 from .payload import CompactionOp
 from .query_capture import WorkerRequest
 
@@ -32,9 +32,50 @@ def keyed_draw(policy) -> bool:
     return type(policy) is RandomPolicy
 
 
-def select_keyed(items, num_layers: int, global_heads: Tensor, device: torch.device) -> list[Tensor]:
+# None: read `random`'s rare-fallback flag on the host only where that is free (a CPU cache); on a GPU the
+# flags are read after the step (WorkerEviction). Tests set False to run the GPU path on CPU.
+HOST_CHECK: bool | None = None
+
+
+class DeferredDrawCheck:
+    """`random`'s short-draw flags of one step, read on the host a step later: a GPU step must not wait
+    for the forward in flight, and a short draw (fewer than K distinct victims, astronomically rare)
+    cannot be repaired after its copies ran anyway; its request is then ended with an error."""
+
+    def __init__(self) -> None:
+        self.flags: list = []               # this step's (req_ids, [n] bool device tensor), from select_keyed
+        self._pending = None                # the previous step's (ids, host flags, event)
+
+    def copy(self) -> None:
+        """After the step's compaction: start copying the flags to (pinned) host memory."""
+        if not self.flags:
+            return
+        ids = [rid for rids, _ in self.flags for rid in rids]
+        flags = torch.cat([f for _, f in self.flags])
+        host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=flags.device.type == "cuda")
+        host.copy_(flags, non_blocking=True)
+        event = None
+        if flags.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._pending, self.flags = (ids, host, event), []
+
+    def failed(self, live) -> list[str]:
+        """Request ids (among `live`) whose draw of the previous compacting step was short."""
+        if self._pending is None:
+            return []
+        ids, host, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()             # recorded a step ago: long complete
+        return [rid for rid, short in zip(ids, host.tolist()) if short and rid in live]
+
+
+def select_keyed(items, num_layers: int, global_heads: Tensor, device: torch.device,
+                 short_out: list | None = None) -> list[Tensor]:
     """`random` for many rounds at once: one counter-based draw over every (round, layer, head) row.
-    Rows are grouped by (candidates, victims); keys make each row's draw independent of the batch."""
+    Rows are grouped by (candidates, victims); keys make each row's draw independent of the batch.
+    short_out (no host check): gets (req_ids, [len] bool device tensor) of rounds whose draw was short."""
     L = num_layers
     out: dict[int, Tensor] = {}
     groups: dict[tuple[int, int], list[int]] = {}
@@ -43,11 +84,13 @@ def select_keyed(items, num_layers: int, global_heads: Tensor, device: torch.dev
         groups.setdefault((sched.num_candidates(op.old_len), op.old_len - op.new_len), []).append(i)
     for (n_cand, e), idx in groups.items():
         ops = [items[i] for i in idx]
+        shorts: list[Tensor] = []
         victims = keyed_victims(
-            torch.tensor([st.key for _, st, _, _ in ops], device=device),
-            torch.tensor([op.round for op, _, _, _ in ops], device=device), L, global_heads,
-            torch.tensor([op.spec.make_policy().protected_len(op.prompt_len) for op, _, _, _ in ops],
-                         device=device), n_cand, e)
+            to_device([st.key for _, st, _, _ in ops], device), to_device([op.round for op, _, _, _ in ops], device),
+            L, global_heads, to_device([op.spec.make_policy().protected_len(op.prompt_len) for op, _, _, _ in ops],
+                                       device), n_cand, e, host_check=HOST_CHECK, short_out=shorts)
+        if shorts and short_out is not None:
+            short_out.append(([op.req_id for op, _, _, _ in ops], shorts[0].view(len(ops), -1).any(dim=1)))
         for j, i in enumerate(idx):
             out[i] = victims[j]
     return [out[i] for i in range(len(items))]

@@ -31,11 +31,11 @@ from kvtier.policies.keyed_random import seed_key
 from . import compat
 from .config import EngineEvictionConfig, EvictionSpec, resolve_request_spec
 from .layout import PagedLayout, probe_layout
-from .paged_compaction import Round, RowLayout, apply_rounds
+from .paged_compaction import Round, RowLayout, apply_rounds, to_device
 from .payload import PAYLOAD_ATTR, CompactionOp, StepPayload
 from .query_capture import QueryCapture, WorkerRequest
 from .stats import AuditLog, EvictionStats
-from .victim_selection import keyed_draw, select_keyed, select_one
+from .victim_selection import DeferredDrawCheck, keyed_draw, select_keyed, select_one
 
 logger = logging.getLogger("kvtier.engine")
 
@@ -77,6 +77,7 @@ class WorkerEviction:
         self.requests: dict[str, WorkerRequest] = {}
         self.failures: dict[str, str] = {}
         self._compacted_this_step = False
+        self.draw_check = DeferredDrawCheck()
         self.stats = EvictionStats()
         path = cfg.audit_log
         if path and self.tp_size > 1:
@@ -183,9 +184,12 @@ class WorkerEviction:
         self.stats.engine.blocks_freed += payload.blocks_freed
         self.stats.engine.preemptions_compressed += payload.preempted_compressed
         self._compacted_this_step = bool(payload.ops)
+        for rid in self.draw_check.failed(self.requests):
+            self.failures[rid] = "random's keyed draw came out short (fewer than K distinct victims)"
         if payload.ops:
             t0 = time.perf_counter()
             self._compact(payload.ops)
+            self.draw_check.copy()
             self.stats.observe_round_ms((time.perf_counter() - t0) * 1e3)
             self.stats.engine.steps_with_eviction += 1
 
@@ -235,8 +239,9 @@ class WorkerEviction:
 
     # -- selection ----------------------------------------------------------------------------
     def _select_keyed(self, items) -> list[Tensor]:
-        """`random` for many rounds at once (victim_selection.select_keyed)."""
-        return select_keyed(items, len(self.layers), self.global_heads, self.device)
+        """`random` for many rounds at once (victim_selection.select_keyed); rounds whose draw came out
+        short (astronomically rare) are read a step later (victim_selection.DeferredDrawCheck)."""
+        return select_keyed(items, len(self.layers), self.global_heads, self.device, self.draw_check.flags)
 
     def _select_one(self, op: CompactionOp, st: WorkerRequest, pos: Tensor, blocks: Tensor) -> Tensor:
         """Evicted slots [layers, H, e], ascending per head, for one round of a policy without a keyed draw
@@ -274,8 +279,7 @@ class WorkerEviction:
             block_ids = compat.request_block_ids(self.runner, op.req_id)
             if block_ids is None:
                 continue
-            blocks = torch.tensor(block_ids[: -(-op.old_len // bs)], dtype=torch.long)
-            blocks = blocks.to(self.device, non_blocking=True)
+            blocks = to_device(block_ids[: -(-op.old_len // bs)], self.device)
             st = self._state(op.req_id, op.spec.seed)
             pos = st.positions_at(op.old_len, op.query_position, L, H, self.device)
             if st.attention is not None:

@@ -55,18 +55,27 @@ def uniform_u32(keys: Tensor, counters: Tensor) -> Tensor:
     return mix(keys.view(-1, 1), counters.view(1, -1))
 
 
-def keyed_subsets(keys: Tensor, low: Tensor, high: Tensor, k: int, n: int) -> Tensor:
+def keyed_subsets(keys: Tensor, low: Tensor, high: Tensor, k: int, n: int, *, host_check: bool | None = None,
+                  short_out: list | None = None) -> Tensor:
     """[R, k] ascending per row: a uniformly random k-subset of range(low[r], high[r]), a function of keys[r].
     `n` >= max(high - low), known to the caller (no device read).
 
     Draws 2k + 16 integers per row and keeps the first k distinct ones in draw order (the procedure
     commutes with relabelling, so every k-subset is equally likely); rows with too few distinct draws
-    (possible when k is close to the span) take the k smallest of one keyed score per candidate. The
-    check for such rows is the one host read.
+    take the k smallest of one keyed score per candidate. When 4k > n that fallback is computed for every
+    row (a static choice). Otherwise a short row is astronomically rare (fewer than k distinct values in
+    2k + 16 uniform draws from >= 4k), and how it is found depends on `host_check` (default: on CPU):
+
+    * host_check: one read of `short.any()` decides whether to compute the fallback (free on a CPU);
+    * no host check (a GPU step must not wait for the forward in flight): nothing is read; the rows'
+      short flags [R] are appended to `short_out` for the caller to read later, off the critical path,
+      and a short row's result is then wrong (valid indices, but fewer than k distinct), never out of range.
     """
     R, dev = keys.shape[0], keys.device
     if k == 0 or R == 0:
         return torch.empty(R, 0, dtype=torch.long, device=dev)
+    if host_check is None:
+        host_check = dev.type == "cpu"
     span = (high - low).view(R, 1)
     m = 2 * k + 16
     j = torch.arange(m, device=dev).expand(R, m)
@@ -80,22 +89,26 @@ def keyed_subsets(keys: Tensor, low: Tensor, high: Tensor, k: int, n: int) -> Te
     chosen.scatter_(1, torch.where(first & (rank <= k), draws, n), True)
     chosen = chosen[:, :n]
     short = rank[:, -1] < k
-    if 4 * k > n or bool(short.any()):
+    if 4 * k > n or (host_check and bool(short.any())):
         cand = torch.arange(n, device=dev).expand(R, n)
         score = uniform_u32(keys, torch.arange(m, m + n, device=dev)).masked_fill(cand >= span, 1 << 33)
         pick = torch.zeros(R, n, dtype=torch.bool, device=dev).scatter_(1, score.topk(k, dim=1, largest=False).indices, True)
         chosen = torch.where(short.view(R, 1), pick, chosen)
-    if dev.type == "cpu":
+    elif short_out is not None:
+        short_out.append(short)
+    if host_check:
         return chosen.nonzero()[:, 1].view(R, k) + low.view(R, 1)
-    # on a GPU: the k chosen columns of each row, ascending, without nonzero() (a host read of its size)
+    # the k chosen columns of each row, ascending, without nonzero() (a host read of its size); slots a
+    # short row leaves unset keep column 0 (in range)
     slot = torch.where(chosen, chosen.cumsum(dim=1) - 1, k)
-    out = torch.empty(R, k + 1, dtype=torch.long, device=dev)
+    out = torch.zeros(R, k + 1, dtype=torch.long, device=dev)
     out.scatter_(1, slot, torch.arange(n, device=dev).expand(R, n))
     return out[:, :k] + low.view(R, 1)
 
 
 def keyed_victims(request_keys: Tensor, rounds: Tensor, layers: int, heads: Tensor, low: Tensor,
-                  num_candidates: int, num_evicted: int) -> Tensor:
+                  num_candidates: int, num_evicted: int, *, host_check: bool | None = None,
+                  short_out: list | None = None) -> Tensor:
     """`random`'s victims for n rounds of requests at once: [n, layers, len(heads), e] candidate slots,
     ascending, drawn uniformly from [low[i], num_candidates) per (layer, head) row. Slots below low (the
     protected prefix) come first in a hole-filling cache, so slot ranges are what random draws from. The
@@ -103,5 +116,6 @@ def keyed_victims(request_keys: Tensor, rounds: Tensor, layers: int, heads: Tens
     n, H = request_keys.shape[0], heads.shape[0]
     keys = row_keys(request_keys, rounds, layers, heads).reshape(-1)
     lows = low.repeat_interleave(layers * H)
-    out = keyed_subsets(keys, lows, torch.full_like(lows, num_candidates), num_evicted, num_candidates)
+    out = keyed_subsets(keys, lows, torch.full_like(lows, num_candidates), num_evicted, num_candidates,
+                        host_check=host_check, short_out=short_out)
     return out.view(n, layers, H, num_evicted)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from kvtier.engine.paged_compaction import Round, apply_rounds, gather_rows
+from kvtier.engine.paged_compaction import Round, apply_rounds, gather_rows, to_device
 from kvtier.policies import EvictionContext
 from kvtier.policies.base import ATTENTION, BUFFER_KEYS, KEYS, QUERIES, VALUES
 from kvtier.policies.keyed_random import keyed_subsets, row_keys
@@ -33,9 +33,9 @@ PER_LAYER_POLICIES = frozenset({"triattention", "diverse"})
 def select_keyed(cell: Cell, policy) -> list[Tensor]:
     """WorkerEviction._select_keyed for n rounds of one (candidates, victims) group."""
     L, H, e = cell.s.layers, cell.s.kv_heads, cell.old_len - cell.settled
-    keys = row_keys(torch.tensor(cell.keys, device=cell.device),
-                    torch.tensor([cell.round] * cell.n, device=cell.device), L, cell.heads).reshape(-1)
-    low = torch.tensor([policy.protected_len(cell.s.prompt_len)] * cell.n, device=cell.device).repeat_interleave(L * H)
+    keys = row_keys(to_device(cell.keys, cell.device), to_device([cell.round] * cell.n, cell.device), L,
+                    cell.heads).reshape(-1)
+    low = to_device([policy.protected_len(cell.s.prompt_len)] * cell.n, cell.device).repeat_interleave(L * H)
     high = torch.full_like(low, cell.n_cand)
     victims = keyed_subsets(keys, low, high, e, cell.n_cand).view(cell.n, L, H, e)
     return [victims[j] for j in range(cell.n)]

@@ -72,7 +72,24 @@ def measure_cell(cell: Cell, policies: list[str], repeats: int) -> dict:
         ms = statistics.median(times)
         out["policies"][name] = {"ms_per_step": round(ms, 4), "ms_per_request": round(ms / cell.n, 4),
                                  "ratio_to_floor": round(ms / floor, 4) if floor > 0 else None, "exact": exact}
+        if name == "random" and dev.type == "cuda":
+            out["policies"][name]["host_syncs"] = host_syncs(lambda: batched_step(cell, name, policy, cell.rearm()))
     return out
+
+
+def host_syncs(step: Callable[[], object]) -> str | None:
+    """None when one step runs under torch.cuda.set_sync_debug_mode("error") (no host synchronisation:
+    async scheduling keeps its CPU/GPU overlap), else the error naming the synchronising call."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        return None
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
 
 
 def cell_memory(requests: int, budget: int, s: CompactionShapes, dtype: torch.dtype, chunk: int, pristine: str,
