@@ -153,3 +153,12 @@ def test_supported_command_prints_the_table():
     r = CliRunner().invoke(app, ["engine", "supported"])
     assert r.exit_code == 0 and r.output == allowlist.markdown()
     assert all(f"`{row.setting}`" in r.output for row in allowlist.TESTED)
+
+
+def test_the_docs_gpu_section_is_the_generated_table():
+    """docs/engine.md's table is `kvtier engine supported --docs docs/engine.md`'s output, not hand-kept."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "engine.md").read_text()
+    block = text.split(allowlist.BEGIN, 1)[1].split("\n", 1)[1].split(allowlist.END, 1)[0]
+    assert block == allowlist.markdown(), "run: kvtier engine supported --docs docs/engine.md"

@@ -1,4 +1,4 @@
-"""`make serve` (src/kvtier/configs/reasoner.yaml): the shipped trained reasoner behind the
+"""`make serve` (src/kvtier/configs/reasoner.yaml): the shipped reasoner trained under eviction behind the
 service answers its task in text a person recognises -- at full attention the exact trace (the restated
 start, one `counter y x` line per step, the question restated, the boxed answer), in the Random Attention
 tier the restated start, the step lines and a boxed answer -- and `kvtier serve` prints a completion
@@ -34,7 +34,7 @@ def test_reasoner_config_serves_recognisable_traces(tmp_path):
         assert "/v1/completions" in log and problem.prompt.strip() in log.replace("\\n", "\n"), log[-2000:]
         with httpx.Client(base_url=svc.url, timeout=300) as http:
             assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["kvtier-reasoner"]
-            for tier in ("full", "k512"):
+            for tier in ("full", "k512", "k256"):
                 r = http.post("/v1/completions", headers={"x-kvtier-tier": tier},
                               json={"model": "kvtier-reasoner", "prompt": problem.prompt, "max_tokens": 1200,
                                     "temperature": 0})
@@ -44,7 +44,8 @@ def test_reasoner_config_serves_recognisable_traces(tmp_path):
                 if tier == "full":   # a held-out problem the shipped model solves at full attention
                     assert text == problem.trace, text[-300:]
                     continue
-                # under eviction: still the task's trace (this model loses the chain's end at K=512, see README)
+                # under eviction (a fresh random draw per request): the task's trace; the answer itself is
+                # right in 64/64 (K=512) and 60/64 (K=256) held-out runs (docs/reasoner.md), not asserted here
                 lines = text.split("\n")
                 assert lines[0] == problem.trace.split("\n")[0], text[:200]   # the start, restated
                 steps = [ln for ln in lines if LINE.fullmatch(ln)]

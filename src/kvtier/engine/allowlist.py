@@ -262,3 +262,22 @@ def markdown() -> str:
     rows = ["| setting | tested with kvtier eviction |", "| --- | --- |"]
     rows += [f"| `{r.setting}` | {r.tested} |" for r in TESTED]
     return "\n".join(rows) + "\n"
+
+
+BEGIN, END = "<!-- allowlist:begin", "<!-- allowlist:end -->"
+
+
+def write_docs(path) -> bool:
+    """Rewrite the table between the allowlist markers of a markdown file; True when it changed."""
+    from pathlib import Path
+
+    path = Path(path)
+    text = path.read_text()
+    head, rest = text.split(BEGIN, 1)
+    marker_line, _old = rest.split("\n", 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{BEGIN}{marker_line}\n{markdown()}{END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
+

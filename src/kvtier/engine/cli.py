@@ -18,12 +18,16 @@ def register(app: typer.Typer) -> None:
     app.add_typer(engine_app, name="engine")
 
     @engine_app.command("supported")
-    def supported(as_json: bool = typer.Option(False, "--json", help="Rows as JSON instead of a markdown table.")) -> None:
+    def supported(as_json: bool = typer.Option(False, "--json", help="Rows as JSON instead of a markdown table."),
+                  docs: Optional[Path] = typer.Option(None, "--docs", help="Rewrite the table between the allowlist "
+                                                      "markers of this markdown file (docs/engine.md).")) -> None:
         """The configurations kvtier eviction is tested in (src/kvtier/engine/allowlist.py): an engine with
         additional_config.kvtier off this table refuses to start, naming each setting."""
-        from .allowlist import TESTED, markdown
+        from .allowlist import TESTED, markdown, write_docs
 
-        if as_json:
+        if docs is not None:
+            typer.echo(f"{docs}: {'rewritten' if write_docs(docs) else 'up to date'}")
+        elif as_json:
             typer.echo(json.dumps([{"setting": r.setting, "tested": r.tested, "checked_at": r.at} for r in TESTED], indent=1))
         else:
             typer.echo(markdown(), nl=False)

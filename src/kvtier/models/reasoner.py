@@ -14,10 +14,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["REASONER_DIR", "REASONER_CONFIG", "VOCAB_SIZE", "build_reasoner_tokenizer", "reasoner_config",
-           "reasoner_dir"]
+__all__ = ["REASONER_DIR", "REASONER_EVICT_DIR", "REASONER_CONFIG", "SHIPPED", "VOCAB_SIZE",
+           "build_reasoner_tokenizer", "reasoner_config", "reasoner_dir"]
 
 REASONER_DIR = Path(__file__).resolve().parent / "reasoner"
+# The same model fine-tuned under the random eviction it is served with (issue #23; its TRAINING.json
+# nests the full-attention phases it started from): `make serve`'s demo model.
+REASONER_EVICT_DIR = Path(__file__).resolve().parent / "reasoner_evict"
+# The names a service config's `engines.<name>.model` may give for a shipped checkpoint.
+SHIPPED = {"reasoner": REASONER_DIR, "reasoner-evict": REASONER_EVICT_DIR}
 
 BOS = "<|endoftext|>"
 EOS = "<|im_end|>"

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvtier.engine.worker_ext import QUALNAME as WORKER_EXTENSION
 
-from .config import REASONER_MODEL, TINY_MODEL, EngineConfig, ServiceConfig
+from .config import REASONER_MODELS, TINY_MODEL, EngineConfig, ServiceConfig
 
 ENGINE_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 # Only for a Ray cluster kvtier starts itself (launch.py): token auth stays on for shared clusters (KubeRay).
@@ -23,10 +23,10 @@ def resolve_model_path(model: str) -> str:
         from kvtier.models.tiny import ensure_tiny_model
 
         return str(ensure_tiny_model())
-    if model == REASONER_MODEL:
-        from kvtier.models.reasoner import REASONER_DIR
+    if model in REASONER_MODELS:
+        from kvtier.models.reasoner import SHIPPED
 
-        return str(REASONER_DIR)
+        return str(SHIPPED[model])
     return model
 
 

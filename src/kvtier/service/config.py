@@ -18,7 +18,9 @@ from kvtier.engine.config import FULL, EngineEvictionConfig, EvictionSettings, E
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 TINY_MODEL = "tiny"  # engines.<name>.model: build/use the deterministic tiny Qwen3 (kvtier.models.tiny)
-REASONER_MODEL = "reasoner"  # engines.<name>.model: the shipped trained reasoner (kvtier.models.reasoner)
+# engines.<name>.model: a shipped reasoner checkpoint (kvtier.models.reasoner.SHIPPED): the full-attention-trained
+# one and the one fine-tuned under the eviction it is served with
+REASONER_MODELS = ("reasoner", "reasoner-evict")
 
 
 class ConfigError(ValueError):

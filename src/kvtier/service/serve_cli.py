@@ -32,9 +32,9 @@ def example_request(url: str, model: str, api_key: str | None = None, task_promp
 
 def _task_prompt(cfg, model_id: str) -> str | None:
     """A held-out problem's prompt when the engine serving `model_id` runs the shipped reasoner."""
-    from .config import REASONER_MODEL
+    from .config import REASONER_MODELS
 
-    if not any(cfg.model_id(n) == model_id and e.model == REASONER_MODEL for n, e in cfg.engines.items()):
+    if not any(cfg.model_id(n) == model_id and e.model in REASONER_MODELS for n, e in cfg.engines.items()):
         return None
     from kvtier.tasks.chains import eval_problems
 
