@@ -161,7 +161,7 @@ def one_run(arms: list[str], settings: EngineSettings, config: dict, tasks: list
         server = start_stock(settings, workdir) if kind == "stock" else \
             start_kvtier("kvtier-goodput", kvtier_config(config, settings), workdir)
         try:
-            log(f"{kind}: ready after {server.wait_ready(settings.model_id):.0f} s")
+            log(f"{kind}: ready after {server.wait_ready(settings.model_id, prompt=tasks[0].prompt):.0f} s")
             for arm in served:
                 raw[arm] = run_arm(arm, server, settings, tasks, dataset, concurrency, max_tokens, seed)
                 ok = sum(p["correct"] for p in raw[arm]["per_problem"])

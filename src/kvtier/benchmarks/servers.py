@@ -72,15 +72,16 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, model_id: str, timeout: float = 600) -> float:
-        """Until a completion succeeds (the app is up and the engine warmed)."""
+    def wait_ready(self, model_id: str, timeout: float = 600, prompt: str = "warm up the engine") -> float:
+        """Until a completion of `prompt` succeeds (the app is up and the engine warmed); the prompt must be
+        one the model's tokenizer encodes (the reasoner's knows only its task's characters)."""
         t0 = time.time()
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:   # a generated token, not only /v1/models: an ingress can answer before its engine is up
                 r = httpx.post(self.url + "/v1/completions", timeout=60,
-                               json={"model": model_id, "prompt": "warm up the engine", "max_tokens": 4})
+                               json={"model": model_id, "prompt": prompt, "max_tokens": 4})
                 if r.status_code == 200:
                     return time.time() - t0
             except httpx.HTTPError:
