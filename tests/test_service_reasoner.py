@@ -34,6 +34,9 @@ def test_reasoner_config_serves_recognisable_traces(tmp_path):
         assert "/v1/completions" in log and problem.prompt.strip() in log.replace("\\n", "\n"), log[-2000:]
         with httpx.Client(base_url=svc.url, timeout=300) as http:
             assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["kvtier-reasoner"]
+            # text the character-level tokenizer cannot encode is the caller's error, not the server's
+            bad = http.post("/v1/completions", json={"model": "kvtier-reasoner", "prompt": "hello", "max_tokens": 4})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
             for tier in ("full", "k512", "k256"):
                 r = http.post("/v1/completions", headers={"x-kvtier-tier": tier},
                               json={"model": "kvtier-reasoner", "prompt": problem.prompt, "max_tokens": 1200,

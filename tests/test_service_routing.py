@@ -398,3 +398,15 @@ def test_counters_are_pulled_from_the_worker_only_after_engine_steps(monkeypatch
     server.engine.steps = 5
     asyncio.run(polls(2))
     assert pulls == [3, 5]
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_a_value_error():
+    """The router answers ValueError with a 400 (router.py); the reasoner's character-level tokenizer
+    raises a bare Exception for text outside its alphabet, which must not become a 500."""
+    from kvtier.models.reasoner import REASONER_EVICT_DIR
+    from kvtier.service.tokens import PromptCounter
+
+    counter = PromptCounter(str(REASONER_EVICT_DIR))
+    assert counter.completion("y=37 x=05 n=100 ?x\n") == 20
+    with pytest.raises(ValueError, match="UNK"):
+        counter.completion("hello")

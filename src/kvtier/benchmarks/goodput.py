@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .serve import counters, kvtier_config
-from .servers import EngineSettings, ServerProcess, start_kvtier, start_stock
+from .servers import EngineSettings, ServerProcess, start_kvtier, start_stock, stop_servers_on_signals
 
 
 @dataclass(frozen=True)
@@ -190,11 +190,13 @@ def run_goodput(settings: EngineSettings, config: dict, tasks: list[GradedTask],
                 workdir: Path, concurrency: int, max_tokens: int, seed: int = 0, log=print) -> dict:
     from .environment import machine_and_commit
 
+    where = machine_and_commit()          # at the start: the code that runs, not what is checked out at the end
     workdir.mkdir(parents=True, exist_ok=True)
     per_run = []
-    for i in range(runs):
-        log(f"run {i + 1}/{runs}")
-        per_run.append(one_run(arms, settings, config, tasks, workdir, concurrency, max_tokens, seed, log))
+    with stop_servers_on_signals():
+        for i in range(runs):
+            log(f"run {i + 1}/{runs}")
+            per_run.append(one_run(arms, settings, config, tasks, workdir, concurrency, max_tokens, seed, log))
     key = main_arm(arms)
     score = (lambda r: r[key].get("correct_per_s_ratio_to_stock", r[key]["correct_per_s"])) if key else (lambda r: 0)
     ranked = sorted(range(runs), key=lambda i: score(per_run[i]))
@@ -203,7 +205,7 @@ def run_goodput(settings: EngineSettings, config: dict, tasks: list[GradedTask],
             "summary": {arm: {"correct_per_s_ratio_to_stock": [r[arm].get("correct_per_s_ratio_to_stock")
                                                                for r in per_run]} for arm in arms},
             "settings": asdict(settings), "tasks": {"problems": len(tasks), "kinds": sorted({t.kind for t in tasks})},
-            "concurrency": concurrency, "max_tokens": max_tokens, **machine_and_commit()}
+            "concurrency": concurrency, "max_tokens": max_tokens, **where}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -220,9 +222,8 @@ def plot(result: dict, path: Path) -> None:
     for arm, a in result["arms"].items():
         x = a["correct_per_s"]
         y = a["correct"] / max(a["problems"], 1)
-        ax.scatter([x], [y], s=60, zorder=3)
-        label = arm + (f" ({a['correct_per_s_ratio_to_stock']:.2f}x stock)" if "correct_per_s_ratio_to_stock" in a else "")
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+        label = arm + (f": {a['correct_per_s_ratio_to_stock']:.2f}x stock" if "correct_per_s_ratio_to_stock" in a else "")
+        ax.scatter([x], [y], s=60, zorder=3, label=label)
         for k, m in zip(kinds, markers):
             if k in a["accuracy"]:
                 ax.scatter([x], [a["accuracy"][k]], marker=m, facecolors="none", edgecolors="gray", s=30, zorder=2,
@@ -230,8 +231,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("correct answers per second (median run)")
     ax.set_ylabel("accuracy (filled: all problems; hollow: per kind)")
     ax.set_ylim(-0.05, 1.05)
-    ax.set_xlim(left=0)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_xlim(0, 1.35 * max(a["correct_per_s"] for a in result["arms"].values()))
+    ax.legend(fontsize=8, loc="center right")
     s = result["settings"]
     ax.set_title(f"kvtier bench goodput: {result['tasks']['problems']} problems, concurrency {result['concurrency']}, "
                  f"KV {s['kv_cache_bytes'] >> 20} MiB, {len(result['runs'])} runs", fontsize=9)

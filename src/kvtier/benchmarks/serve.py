@@ -25,7 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from .servers import EngineSettings, ServerProcess, prometheus_sum, start_kvtier, start_rayllm, start_stock
+from .servers import (EngineSettings, ServerProcess, prometheus_sum, start_kvtier, start_rayllm, start_stock,
+                      stop_servers_on_signals)
 
 ARMS = ("stock", "rayllm", "full", "auto")
 # the processes a request's tokens pass through besides the engine core (servers.process_group); Ray's own
@@ -178,9 +179,10 @@ def run_serve_bench(settings: EngineSettings, config: dict, workloads: dict[str,
                     runs: int, workdir: Path, seed: int = 0, log=print) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     per_run = []
-    for i in range(runs):
-        log(f"run {i + 1}/{runs}")
-        per_run.append(one_run(arms, settings, config, workloads, workdir, seed, log))
+    with stop_servers_on_signals():
+        for i in range(runs):
+            log(f"run {i + 1}/{runs}")
+            per_run.append(one_run(arms, settings, config, workloads, workdir, seed, log))
     checks = [targets(r) for r in per_run]
     return {"settings": asdict(settings), "workloads_spec": {k: asdict(w) for k, w in workloads.items()},
             "runs": runs, "workloads": summarize(per_run), "targets_per_run": checks,

@@ -16,7 +16,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,6 +134,26 @@ class ServerProcess:
             pass
         self.proc.wait(10)
         self._log.close()
+
+
+@contextmanager
+def stop_servers_on_signals():
+    """While a benchmark runs: SIGTERM (timeout, CI runners, Kubernetes) and SIGINT raise SystemExit in
+    the main thread, so every `finally: server.stop()` runs and no server, nor the Ray cluster a `kvtier
+    serve` child started, outlives the command (Python's default SIGTERM ends the process at once)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 # The servers' ports come from below the kernel's ephemeral range (ip_local_port_range, 32768-60999 by

@@ -49,3 +49,29 @@ def markdown(cfg, results: Path = RESULTS) -> str:
         rows.append(f"| `{t.name}` | {budget} | {lines.get(t.name, 'not measured')} |")
     rows.append(f"| `auto` | kvtier's routing | {lines.get('auto', 'not measured')} |")
     return "\n".join(rows) + "\n"
+
+
+BEGIN, END = "<!-- tiers:begin -->", "<!-- tiers:end -->"
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "reasoner.yaml"
+
+
+def render_into(path: Path, cfg=None, results: Path = RESULTS) -> bool:
+    """Rewrite the table between the tiers markers of `path` for `cfg` (default: the demo config)."""
+    from .config import load_config
+
+    cfg = cfg or load_config(DEMO_CONFIG)
+    text = path.read_text()
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    new = f"{head}{BEGIN}\n{markdown(cfg, results)}{END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    import sys
+
+    for arg in sys.argv[1:]:
+        print(f"{arg}: {'rewritten' if render_into(Path(arg)) else 'up to date'}")
+

@@ -13,9 +13,15 @@ class PromptCounter:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def completion(self, prompt: str | list) -> int:
-        """Longest prompt of a completion request (a string, strings, token ids, or lists of ids)."""
+        """Longest prompt of a completion request (a string, strings, token ids, or lists of ids). A text
+        the tokenizer cannot encode (a character-level vocabulary without it) is a ValueError, i.e. a 400."""
         if isinstance(prompt, str):
-            return len(self.tokenizer.encode(prompt))
+            try:
+                return len(self.tokenizer.encode(prompt))
+            except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception ("Missing [UNK] ...")
+                if isinstance(exc, (ValueError, TypeError)):
+                    raise
+                raise ValueError(str(exc)) from exc
         if prompt and isinstance(prompt[0], int):
             return len(prompt)
         return max(self.completion(p) for p in prompt)

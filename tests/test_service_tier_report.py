@@ -1,0 +1,40 @@
+"""`make serve`'s per-tier numbers come from the committed goodput results, not from the code: the banner
+lines and the service README's table are rendered from results/goodput-*.json (tier_report.py)."""
+
+import json
+from pathlib import Path
+
+from kvtier.service.config import load_config
+from kvtier.service.tier_report import BEGIN, DEMO_CONFIG, END, markdown, render_into, tier_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _result(model_id, arms):
+    return {"settings": {"model_id": model_id}, "runs": [arms], "arms": arms}
+
+
+def test_lines_come_from_the_newest_result_for_the_model(tmp_path):
+    cfg = load_config(DEMO_CONFIG)
+    model = cfg.model_ids[0]
+    arm = lambda acc, cps, stock: {"accuracy": {"local": acc, "needle": acc / 2}, "correct_per_s": cps,  # noqa: E731
+                                   "correct_per_s_ratio_to_stock": stock}
+    (tmp_path / "goodput-cpu-2026-01-01.json").write_text(json.dumps(_result(model, {"full": arm(1.0, 1.0, 1.0)})))
+    (tmp_path / "goodput-cpu-2026-02-01.json").write_text(json.dumps(_result(model, {
+        "full": arm(1.0, 2.0, 1.0), "k256": arm(0.9, 3.0, 1.5)})))
+    (tmp_path / "goodput-cpu-2026-03-01.json").write_text(json.dumps(_result("another-model", {"full": arm(0.1, 9.0, 1.0)})))
+    lines = tier_lines(cfg, tmp_path)
+    assert set(lines) == {"full", "k256"}
+    assert "accuracy local 0.90, needle 0.45, 1.50x full attention's correct answers/s (1.50x stock vLLM)" in lines["k256"]
+    assert "goodput-cpu-2026-02-01.json" in lines["k256"]
+    table = markdown(cfg, tmp_path)
+    assert "| `k512` | K=512 r=32 random | not measured |" in table and "| `auto` |" in table
+
+
+def test_the_service_readme_table_is_rendered_from_the_committed_results(tmp_path):
+    readme = ROOT / "src" / "kvtier" / "service" / "README.md"
+    copy = tmp_path / "README.md"
+    copy.write_text(readme.read_text())
+    assert not render_into(copy), "run: python -m kvtier.service.tier_report src/kvtier/service/README.md"
+    block = readme.read_text().split(BEGIN, 1)[1].split(END, 1)[0]
+    assert block.strip() == markdown(load_config(DEMO_CONFIG)).strip()
