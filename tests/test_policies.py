@@ -314,3 +314,20 @@ def test_a_plain_subclass_with_its_own_init_still_works():
     assert pol.params() == {"protect_prompt": False, "sinks": 3, "facts": [(1, 2)]}
     assert repr(pol) == "Pinned(protect_prompt=False, sinks=3, facts=[(1, 2)])"
     assert pol.keep(make_ctx()).shape == (2, 16)
+
+
+def test_random_protected_prefix_check_reads_only_the_first_slots():
+    """The fast path (victims drawn from the slots after the protected ones) needs the protected positions
+    in the first n slots; with distinct positions per row the first n slots deciding it is exact."""
+    from kvtier.policies.random import _protected_is_prefix
+
+    rows = torch.stack([torch.cat([torch.randperm(4), 4 + torch.randperm(12)]) for _ in range(3)])
+    assert _protected_is_prefix(rows, 4)
+    moved = rows.clone()
+    moved[1, [2, 7]] = moved[1, [7, 2]]            # a protected position out of the first slots
+    assert not _protected_is_prefix(moved, 4)
+    assert _protected_is_prefix(rows, 0) and not _protected_is_prefix(rows, 17)
+    # both paths draw a valid keep-set that holds the protected positions
+    ctx = EvictionContext(positions=moved, budget=8, prompt_len=4, generator=torch.Generator().manual_seed(0))
+    kept = moved.gather(1, make_policy("random").keep(ctx))
+    assert all(set(range(4)) <= set(r.tolist()) for r in kept)

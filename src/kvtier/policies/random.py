@@ -45,12 +45,13 @@ class RandomPolicy(EvictionPolicy):
 
 
 def _protected_is_prefix(positions: Tensor, n: int) -> bool:
-    """True when every row holds the protected positions (< n) exactly in its first n slots: two
-    reductions, no [rows, S] mask."""
+    """True when every row holds the protected positions (< n) exactly in its first n slots. A row's
+    positions are distinct (one cache entry per position), so it is enough that its first n slots hold
+    values below n: they are then 0..n-1 and no later slot can hold one. One reduction over [rows, n]
+    (the whole rows' min and max cost ~8x more at K = 1024 and were a fifth of a random round)."""
     if n > positions.shape[1]:
         return False
-    head_ok = n == 0 or int(positions[:, :n].max()) < n
-    return head_ok and (n == positions.shape[1] or int(positions[:, n:].min()) >= n)
+    return n == 0 or int(positions[:, :n].max()) < n
 
 
 def sample_distinct(rows: int, n: int, k: int, generator: torch.Generator | None, device) -> Tensor:
