@@ -135,31 +135,37 @@ def test_bad_request_parameters_rejected_engine_keeps_serving(llm, bad, match):
     assert len(llm.generate(PROMPTS[:1], greedy(4, budget=64), use_tqdm=False)[0].outputs[0].token_ids) == 4
 
 
-def test_unsupported_engine_configurations_rejected(tiny_model_dir):
+def test_unsupported_engine_configurations_rejected(tiny_model_dir, monkeypatch):
+    """Each off-table setting names itself (the whole table: tests/test_engine_allowlist.py)."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=tiny_model_dir, enable_prefix_caching=True, max_model_len=1024,
                       additional_config={"kvtier": {}})
-    with pytest.raises(UnsupportedEngineConfig, match="prefix caching"):
+    with pytest.raises(UnsupportedEngineConfig, match="enable_prefix_caching=True"):
         args.create_engine_config()
-    base = dict(additional_config={"kvtier": {}},
-                cache_config=SimpleNamespace(enable_prefix_caching=False, cache_dtype="auto"),
-                speculative_config=None, parallel_config=SimpleNamespace(pipeline_parallel_size=1),
-                model_config=SimpleNamespace(use_mla=False, get_sliding_window=lambda: None,
-                                             hf_text_config=SimpleNamespace(layer_types=None)))
-    check_supported(SimpleNamespace(**base))  # the baseline passes
+
+    def config():
+        return EngineArgs(model=tiny_model_dir, max_model_len=1024, enable_prefix_caching=False,
+                          enforce_eager=True, additional_config={"kvtier": {}}).create_engine_config()
+
+    base = config()
+    check_supported(base)  # the baseline passes
+    mc_type = type(base.model_config)
     for change, match in [
-        (dict(speculative_config=object()), "speculative decoding"),
-        (dict(parallel_config=SimpleNamespace(pipeline_parallel_size=2)), "pipeline parallelism"),
-        (dict(model_config=SimpleNamespace(use_mla=True, get_sliding_window=lambda: None,
-                                           hf_text_config=SimpleNamespace(layer_types=None))), "MLA"),
-        (dict(model_config=SimpleNamespace(use_mla=False, get_sliding_window=lambda: 4096,
-                                           hf_text_config=SimpleNamespace(layer_types=None))), "sliding-window"),
+        (lambda c: setattr(c, "speculative_config", SimpleNamespace(method="ngram")), "speculative decoding"),
+        (lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2), "pipeline parallelism"),
+        (lambda c: monkeypatch.setattr(mc_type, "use_mla", property(lambda self: True)), "MLA"),
+        (lambda c: monkeypatch.setattr(mc_type, "get_sliding_window", lambda self: 4096), "sliding-window"),
     ]:
+        c = config()
+        change(c)
         with pytest.raises(UnsupportedEngineConfig, match=match):
-            check_supported(SimpleNamespace(**{**base, **change}))
+            check_supported(c)
+        monkeypatch.undo()
+    bad = config()
+    bad.additional_config = {"kvtier": {"admission": "maybe"}}
     with pytest.raises(Exception, match="additional_config.kvtier: admission"):
-        check_supported(SimpleNamespace(**{**base, "additional_config": {"kvtier": {"admission": "maybe"}}}))
+        check_supported(bad)
 
 
 def test_oversubscription_preempts_compressed_requests_and_completes(tiny_model_dir, tmp_path, replay, engines):
