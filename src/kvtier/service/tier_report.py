@@ -31,12 +31,15 @@ def tier_lines(cfg, results: Path = RESULTS) -> dict[str, str]:
         path, data = found
         arms = data["arms"]
         full = arms.get("full", {}).get("correct_per_s")
+        kv = data["settings"].get("kv_cache_bytes")
+        workload = ", ".join(x for x in (f"{kv >> 20} MiB KV" if kv else "",
+                                         f"concurrency {data['concurrency']}" if data.get("concurrency") else "") if x)
         for name, a in arms.items():
             acc = ", ".join(f"{k} {v:.2f}" for k, v in sorted(a["accuracy"].items()))
             rel = f", {a['correct_per_s'] / full:.2f}x full attention's correct answers/s" if full else ""
             stock = a.get("correct_per_s_ratio_to_stock")
             out[name] = (f"accuracy {acc}{rel}" + (f" ({stock:.2f}x stock vLLM)" if stock is not None else "")
-                         + f" [{path.name}, median of {len(data['runs'])} run(s)]")
+                         + f" [{path.name}{': ' + workload if workload else ''}, median of {len(data['runs'])} run(s)]")
     return out
 
 
