@@ -161,3 +161,37 @@ def test_quick_eval_of_the_eviction_trained_model(quick_evict_result):
     needle = _cell(r, "random", 128, "needle")
     assert needle["vs_full"]["significant"] and needle["vs_full"]["diff"] <= -0.5, needle
 
+
+
+def test_training_under_eviction_is_deterministic_and_masks_what_it_says(tmp_path):
+    """--evict: the same config gives the same weights; the mix assigns budgets per sample from the seed;
+    a needle under eviction has no answer loss; full attention samples are not masked."""
+    import torch
+
+    from kvtier.models.reasoner_train import TrainConfig, _batch, _token_weights, step_problems, train
+    from kvtier.models.train_eviction import EvictMix, deaths_for, unanswerable
+
+    tiny = dict(batch=2, threads=1, held_out=1, warmup=1, evict="random:128,256:32", full_share=0.5)
+    a = train(TrainConfig(steps=1, **tiny), tmp_path / "a", log=lambda s: None)
+    b = train(TrainConfig(steps=1, **tiny), tmp_path / "b", log=lambda s: None)
+    assert a["model_safetensors_sha256"] == b["model_safetensors_sha256"]
+    assert "--evict random:128,256:32 --full-share 0.5" in a["command"]
+    assert set(a["held_out_teacher_forced"]) >= {"local_random_K128", "local_random_K256"}
+
+    mix = EvictMix.parse("random:128,256:32", 0.5)
+    plan = mix.assign(7, 3, "0", 64)
+    assert plan == mix.assign(7, 3, "0", 64) and {k for k, _ in plan} == {None, 128, 256}
+    probs = step_problems(7, 3, 2, set())
+    ids, labels = _batch(build_reasoner_tokenizer(), probs, 0)
+    plan2 = [(None, 0), (128, 5)] if probs[1].kind == "needle" else [(128, 5), (None, 0)]
+    from transformers import Qwen3ForCausalLM
+
+    from kvtier.models.reasoner import reasoner_config
+    deaths = deaths_for(mix, plan2, labels, Qwen3ForCausalLM(reasoner_config()))["kvtier_deaths"]
+    full_row = 0 if plan2[0][0] is None else 1
+    assert (deaths[full_row] == torch.iinfo(torch.int32).max).all() and (deaths[1 - full_row] < 2**31 - 1).any()
+    w = _token_weights(labels, 20.0, unanswerable(probs, plan2))
+    needle = [i for i, p in enumerate(probs) if p.kind == "needle"][0]
+    assert (w[needle].max() == 20.0) == (plan2[needle][0] is None)    # the answer weight only at full attention
+    with pytest.raises(ValueError, match="reads the cache"):
+        EvictMix.parse("snapkv:128")

@@ -30,7 +30,7 @@ from pathlib import Path
 from kvtier.tasks import chains as rt
 
 from .reasoner import REASONER_DIR, build_reasoner_tokenizer, reasoner_config
-from .train_eviction import EvictMix
+from .train_eviction import EvictMix, deaths_for, unanswerable
 
 BOX_ID = 2   # the tokenizer's id of "\\boxed{" (reasoner.build_reasoner_tokenizer)
 
@@ -107,11 +107,6 @@ def _token_weights(labels, answer_weight: float, no_answer: list[bool] | None = 
     return w
 
 
-def _unanswerable(problems, plan) -> list[bool]:
-    """Needles under eviction: their answer is not trained (train_eviction.py says why)."""
-    return [p.kind == "needle" and k is not None for p, (k, _) in zip(problems, plan)]
-
-
 def short_problems(seed: int, step: int, count: int) -> list:
     rng = random.Random(f"{seed}/{step}/short")
     return [rt.sample_problem(rng, "local", SHORT_N) for _ in range(count)]
@@ -124,34 +119,13 @@ def _lr(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def row_spans(labels) -> tuple[list[int], list[int]]:
-    """(prompt lengths, sequence lengths) of a right-padded batch, read off its labels (-100 on the
-    prompt and the padding)."""
-    import torch
-
-    on = labels != -100
-    first = on.int().argmax(dim=1)
-    last = labels.shape[1] - 1 - on.flip(1).int().argmax(dim=1)
-    return first.tolist(), (last + 1).tolist()
-
-
-def _deaths_for(mix: EvictMix | None, plan, labels, model):
-    """The forward's kvtier_deaths kwarg for a batch (empty when training without eviction)."""
-    if mix is None or all(k is None for k, _ in plan):
-        return {}
-    prompt_lens, lengths = row_spans(labels)
-    cfg = model.config
-    return {"kvtier_deaths": mix.deaths(prompt_lens, lengths, labels.shape[1], plan, cfg.num_hidden_layers,
-                                        cfg.num_key_value_heads)}
-
-
 def teacher_forced_accuracy(model, tok, problems, mix: EvictMix | None = None, budget: int | None = None) -> dict:
     """Token accuracy of argmax predictions on the trace and the fraction of whole traces all correct;
     with `mix` and `budget`, under that policy's simulated eviction at K = budget (eviction seed = index)."""
     import torch
 
     ids, labels = _batch(tok, problems, tok.pad_token_id)
-    extra = _deaths_for(mix, [(budget, i) for i in range(len(problems))], labels, model) if budget else {}
+    extra = deaths_for(mix, [(budget, i) for i in range(len(problems))], labels, model) if budget else {}
     with torch.no_grad():
         pred = model(input_ids=ids, **extra).logits[:, :-1].argmax(-1)
     tgt = labels[:, 1:]
@@ -268,12 +242,12 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         batches = [_batch(tok, g, tok.pad_token_id) for g in groups]
         plans = [mix.assign(cfg.seed, step, str(i), len(g)) if mix else [(None, 0)] * len(g)
                  for i, g in enumerate(groups)]
-        weights = [_token_weights(labels, cfg.answer_weight, _unanswerable(g, plan))
+        weights = [_token_weights(labels, cfg.answer_weight, unanswerable(g, plan))
                    for (_, labels), g, plan in zip(batches, groups, plans)]
         total = sum(float(w.sum()) for w in weights)
         loss_value = 0.0
         for (ids, labels), w, plan in zip(batches, weights, plans):   # one weighted mean over every group's trace tokens
-            extra = _deaths_for(mix, plan, labels, model)
+            extra = deaths_for(mix, plan, labels, model)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
                 if cfg.answer_weight == 1.0 and mix is None:   # transformers' own loss: how phases 1-2 ran (same bits)
                     loss = model(input_ids=ids, labels=labels).loss * (float(w.sum()) / total)

@@ -73,3 +73,29 @@ class EvictMix:
 
     def describe(self) -> str:
         return f"{self.policy}:{','.join(map(str, self.budgets))}:{self.buffer}"
+
+
+def row_spans(labels) -> tuple[list[int], list[int]]:
+    """(prompt lengths, sequence lengths) of a right-padded batch, read off its labels (-100 on the
+    prompt and the padding)."""
+    import torch
+
+    on = labels != -100
+    first = on.int().argmax(dim=1)
+    last = labels.shape[1] - 1 - on.flip(1).int().argmax(dim=1)
+    return first.tolist(), (last + 1).tolist()
+
+
+def deaths_for(mix: EvictMix | None, plan, labels, model):
+    """The forward's kvtier_deaths kwarg for a batch (empty when training without eviction)."""
+    if mix is None or all(k is None for k, _ in plan):
+        return {}
+    prompt_lens, lengths = row_spans(labels)
+    cfg = model.config
+    return {"kvtier_deaths": mix.deaths(prompt_lens, lengths, labels.shape[1], plan, cfg.num_hidden_layers,
+                                        cfg.num_key_value_heads)}
+
+
+def unanswerable(problems, plan) -> list[bool]:
+    """Needles under eviction: their answer is not trained (train_eviction.py says why)."""
+    return [p.kind == "needle" and k is not None for p, (k, _) in zip(problems, plan)]
