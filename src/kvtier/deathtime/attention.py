@@ -93,6 +93,21 @@ def _flex(query, key, value, d_layer: Tensor, attention_mask, scaling) -> Tensor
             ok = ok & pad[b, kv_idx]
         return ok | (q_idx == kv_idx)
 
-    block = create_block_mask(mask_mod, B, Hq, T, T, device=query.device)
-    out = flex_attention(query, key, value, block_mask=block, scale=scaling, enable_gqa=True)
+    cuda = query.device.type == "cuda"
+    block = create_block_mask(mask_mod, B, Hq, T, T, device=query.device, _compile=cuda)
+    out = _compiled_flex()(query, key, value, block_mask=block, scale=scaling, enable_gqa=True) if cuda else \
+        flex_attention(query, key, value, block_mask=block, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous()
+
+
+_COMPILED: list = []
+
+
+def _compiled_flex():
+    """FlexAttention compiled once per process (its eager form materialises the scores; on a GPU only the
+    compiled kernel is the memory-efficient one). Not exercised on CPU, where the tests run it eagerly."""
+    if not _COMPILED:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED.append(torch.compile(flex_attention, dynamic=True))
+    return _COMPILED[0]
