@@ -26,7 +26,8 @@ def run(device: str, length: int, heads: int, kv_heads: int, head_dim: int, batc
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, h, length, head_dim, generator=g).to(device, dt).requires_grad_()
                for h in (heads, kv_heads, kv_heads))
-    deaths = torch.stack([simulate_deaths(make_policy("random"), EvictionSchedule(budget, buffer), 64, length,
+    prompt = min(64, budget // 2)
+    deaths = torch.stack([simulate_deaths(make_policy("random"), EvictionSchedule(budget, buffer), prompt, length,
                                           num_layers=1, num_kv_heads=kv_heads, seed=s) for s in range(batch)])
     deaths = deaths.to(device)
     layer = types.SimpleNamespace(layer_idx=0, training=False)
