@@ -2,10 +2,6 @@
 able to fail (no timings asserted)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -88,18 +84,11 @@ def test_cpu_emulation_is_vllms_own_layout():
 def test_gpu_launcher_runs_without_vllm_or_an_installed_kvtier(tmp_path):
     """`PYTHONPATH=src python -m kvtier.benchmarks.gpu_compaction` on a python where `vllm` (nor pydantic, typer,
     Ray) does not import and kvtier is not installed (the GPU machine): kvtier comes from the checkout's src/."""
-    src = Path(__file__).resolve().parents[1] / "src"
+    from bare_torch import run_on_bare_torch
+
     out = tmp_path / "c.json"
-    code = ("import sys, runpy\n"
-            "for m in ('vllm', 'pydantic', 'typer', 'ray'): sys.modules[m] = None\n"
-            f"sys.argv = ['gpu_compaction.py', '--tiny', '--device', 'cpu', '--repeats', '1', '--policies', 'random',"
-            f" '--out', {str(out)!r}]\n"
-            "runpy.run_module('kvtier.benchmarks.gpu_compaction', run_name='__main__', alter_sys=True)\n"
-            "import kvtier\n"
-            f"assert kvtier.__file__ == {str(src / 'kvtier' / '__init__.py')!r}, kvtier.__file__\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=env)
+    proc = run_on_bare_torch("kvtier.benchmarks.gpu_compaction", ["--tiny", "--device", "cpu", "--repeats", "1",
+                                                                 "--policies", "random", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["summary"]["all_exact"] is True and len(r["cells"]) == 2

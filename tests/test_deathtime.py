@@ -264,21 +264,13 @@ def test_gpu_check_runs_on_a_bare_torch_machine(tmp_path):
     """`PYTHONPATH=src python -m kvtier.benchmarks.gpu_deathtime` as a lent GPU (no vLLM, pydantic, typer or
     Ray) would run it, here on CPU at a small size: the flex and mask paths agree."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    src = Path(__file__).resolve().parents[1] / "src"
+    from bare_torch import run_on_bare_torch
+
     out = tmp_path / "d.json"
-    code = ("import sys, runpy\n"
-            "for m in ('vllm', 'pydantic', 'typer', 'ray'): sys.modules[m] = None\n"
-            "sys.argv = ['gpu_deathtime.py', '--device', 'cpu', '--length', '160', '--heads', '4', '--kv-heads', '2',"
-            f" '--head-dim', '16', '--budget', '48', '--buffer', '8', '--dtype', 'float32', '--out', {str(out)!r}]\n"
-            "runpy.run_module('kvtier.benchmarks.gpu_deathtime', run_name='__main__', alter_sys=True)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=env)
+    proc = run_on_bare_torch("kvtier.benchmarks.gpu_deathtime", [
+        "--device", "cpu", "--length", "160", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--budget", "48",
+        "--buffer", "8", "--dtype", "float32", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["max_abs_diff"]["out"] < 1e-4 and 0.3 < r["evicted_share"] < 0.9
