@@ -199,9 +199,13 @@ TESTED: tuple[Tested, ...] = (
     Tested("parallel_config.data_parallel_size", "any (each data-parallel rank is its own engine)", lambda c: None),
     Tested("parallel_config.enable_dbo", "off", _none("parallel_config.enable_dbo", "dual-batch overlap splits a "
                                                       "step in micro-batches; compaction runs once per step")),
-    Tested("cache_config.enable_prefix_caching", "off",
-           _none("cache_config.enable_prefix_caching", "compaction rewrites block contents: pass "
-                 "enable_prefix_caching=False")),
+    Tested("cache_config.enable_prefix_caching", "on or off: a compressed request caches and reads only the whole "
+           "blocks inside its protected prefix (none when its policy protects no prompt or reads the prompt's "
+           "queries: snapkv, h2o, rkv, vase, diverse, streaming by default); full attention as stock vLLM",
+           lambda c: None),
+    Tested("model_config.disable_cascade_attn", "True (vLLM's default)",
+           _eq("model_config.disable_cascade_attn", True, "cascade attention plans a shared-prefix kernel from "
+               "logical lengths before kvtier rewrites them to physical ones: pass disable_cascade_attn=True")),
     Tested("kv_transfer_config", "none", _none("kv_transfer_config", "a KV connector could save compacted blocks "
                                                 "under their logical tokens' hashes and load them elsewhere")),
     Tested("cache_config.kv_offloading_size", "none",

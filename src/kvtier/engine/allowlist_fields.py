@@ -20,7 +20,7 @@ CHECKED = frozenset("""
     attention_config.use_non_causal aux_output_config.enable_return_routed_experts
     compilation_config.cudagraph_mode compilation_config.splitting_ops model_config.enforce_eager
     model_config.hf_config model_config.hf_text_config model_config.multimodal_config
-    model_config.disable_sliding_window scheduler_config.scheduler_cls
+    model_config.disable_sliding_window model_config.disable_cascade_attn scheduler_config.scheduler_cls
 """.split())
 
 _NEUTRAL_GROUPS = {
@@ -62,10 +62,10 @@ _NEUTRAL_GROUPS = {
         cache_config.num_gpu_blocks cache_config.num_cpu_blocks cache_config.kv_cache_size_tokens
         cache_config.kv_cache_max_concurrency cache_config.kv_cache_memory_bytes cache_config._block_size_resolved
         cache_config.skip_page_size_padded cache_config.kv_cache_dtype_skip_layers""",
-    "prefix caching, KV offloading and KV events (refused, or only about hashed blocks, which exist only with "
-    "prefix caching)": """
+    "how prefix-cache blocks are hashed and reported, and KV offloading's backend (offloading is refused; kvtier "
+    "decides which blocks are hashed at all, scheduler_side.prefix_cache_caps)": """
         cache_config.prefix_match_unit cache_config.prefix_caching_hash_algo cache_config.prefix_cache_retention_interval
-        cache_config.kv_offloading_backend model_config.disable_cascade_attn
+        cache_config.kv_offloading_backend
         kv_events_config.enable_kv_cache_events kv_events_config.publisher kv_events_config.endpoint
         kv_events_config.replay_endpoint kv_events_config.buffer_steps kv_events_config.hwm
         kv_events_config.max_queue_size kv_events_config.topic""",

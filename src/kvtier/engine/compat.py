@@ -42,6 +42,32 @@ def free_tail_blocks(scheduler, req_id: str, keep_blocks: int) -> int:
     return len(tail)
 
 
+def skip_prefix_cache_reads(request) -> None:
+    """vLLM's per-request switch that makes `KVCacheManager.get_computed_blocks` return no hit (the one
+    prompt-logprob requests set; the request is then not counted in the prefix-cache queries either)."""
+    request.skip_reading_prefix_cache = True
+
+
+def truncate_hit(kv_cache_manager, blocks, num_tokens: int):
+    """A prefix-cache hit (`KVCacheBlocks`) cut to its first `num_tokens` tokens (block-aligned); vLLM's
+    own pure slice, no reference counts touched."""
+    return kv_cache_manager.truncate_computed_blocks(blocks, num_tokens)
+
+
+def held_hit_blocks(blocks) -> int:
+    """Blocks of a prefix-cache hit (`KVCacheBlocks`, one group) that some request already holds
+    (ref_cnt > 0); the others sit in the free queue and cost a free block when taken."""
+    if blocks is None:
+        return 0
+    return sum(1 for b in blocks.blocks[0] if b.ref_cnt > 0)
+
+
+def attach_to_kv_cache_manager(scheduler, ev) -> None:
+    """Give the KV cache manager and its coordinator (which caches blocks) the scheduler-side state."""
+    scheduler.kv_cache_manager._kvtier = ev
+    scheduler.kv_cache_manager.coordinator._kvtier = ev
+
+
 def fail_requests(scheduler, req_ids) -> None:
     """Finish these requests with FINISHED_ERROR (finish_reason "error"; vLLM's server answers 500) inside
     the next `update_from_output`: vLLM 0.31 drains `encoder_cache_mismatch_reqs` into its error path

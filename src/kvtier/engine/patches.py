@@ -86,7 +86,9 @@ def _scheduler_init(orig):
             check_supported(vllm_config, kv_cache_config)
             group = kv_cache_config.kv_cache_groups[0]
             self._kvtier = SchedulerEviction(cfg, group.kv_cache_spec.block_size, kv_cache_config.num_blocks - 1)
-            self.kv_cache_manager._kvtier = self._kvtier
+            from . import compat
+
+            compat.attach_to_kv_cache_manager(self, self._kvtier)
     return __init__
 
 
@@ -157,8 +159,11 @@ def _allocate_slots(orig):
             return orig(self, request, num_new_tokens, *args, **kwargs)
         from .scheduler_side import is_waiting
 
+        from . import compat
+
         waiting = is_waiting(request)
-        if waiting and not ev.admit(request):
+        shared = compat.held_hit_blocks(kwargs.get("new_computed_blocks")) if waiting else 0
+        if waiting and not ev.admit(request, shared):
             return None
         offset = st.offset
         # vLLM sizes the request from num_computed_tokens (logical); the cache holds the physical length.
@@ -168,9 +173,34 @@ def _allocate_slots(orig):
         finally:
             request.num_computed_tokens += offset
         if blocks is not None and waiting:
-            ev.admitted(request)
+            ev.admitted(request, shared)
         return blocks
     return allocate_slots
+
+
+def _get_computed_blocks(orig):
+    @functools.wraps(orig)
+    def get_computed_blocks(self, request, *args, **kwargs):
+        blocks, num_tokens, *rest = orig(self, request, *args, **kwargs)
+        ev = getattr(self, "_kvtier", None)
+        if ev is not None and num_tokens:
+            allowed = ev.readable_tokens(request.request_id, num_tokens)
+            if allowed < num_tokens:
+                from . import compat
+
+                blocks, num_tokens = compat.truncate_hit(self, blocks, allowed), allowed
+        return (blocks, num_tokens, *rest)
+    return get_computed_blocks
+
+
+def _cache_blocks(orig):
+    @functools.wraps(orig)
+    def cache_blocks(self, request, num_computed_tokens, *args, **kwargs):
+        ev = getattr(self, "_kvtier", None)
+        if ev is not None:
+            num_computed_tokens = ev.cacheable_tokens(request.request_id, num_computed_tokens)
+        return orig(self, request, num_computed_tokens, *args, **kwargs)
+    return cache_blocks
 
 
 # -- worker process --------------------------------------------------------------------------------
@@ -342,8 +372,8 @@ def install_attention_capture(ev) -> None:
 
 PATCHES: tuple[Patch, ...] = (
     Patch("vllm.engine.arg_utils:EngineArgs.create_engine_config",
-          "refuse, in the caller's process, configurations eviction cannot serve (prefix caching, spec "
-          "decoding, sliding-window/MLA/hybrid models, pipeline parallelism)", _create_engine_config),
+          "refuse, in the caller's process, configurations eviction is not tested in (allowlist.TESTED: spec "
+          "decoding, sliding-window/MLA/hybrid models, pipeline parallelism, ...)", _create_engine_config),
     Patch("vllm.v1.engine.input_processor:InputProcessor.process_inputs",
           "validate kvtier_* request parameters in the frontend, so bad input is a 400 and never reaches "
           "the engine core; assumes it returns the EngineCoreRequest with prompt_token_ids", _process_inputs),
@@ -365,7 +395,18 @@ PATCHES: tuple[Patch, ...] = (
           "drop eviction state of finished/aborted requests", _free_request),
     Patch("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
           "size compressed requests from the physical length (logical - offset) and apply reserve-mode "
-          "admission; assumes allocate_slots reads request.num_computed_tokens", _allocate_slots),
+          "admission (a prefix-cache hit's blocks that running requests hold are not counted twice); assumes "
+          "allocate_slots reads request.num_computed_tokens and the scheduler passes new_computed_blocks by "
+          "keyword", _allocate_slots),
+    Patch("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks",
+          "prefix caching: a compressed request reads cached blocks only inside its protected prefix "
+          "(scheduler_side.prefix_cache_caps); assumes it returns (KVCacheBlocks, num_tokens, boundary) with "
+          "block-aligned hits (one full-attention group: hash block size == block size)", _get_computed_blocks),
+    Patch("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.cache_blocks",
+          "prefix caching: a compressed request's blocks are hashed into the cache only while they lie wholly "
+          "inside its protected prefix (later blocks are rewritten by compaction); assumes every caller "
+          "(allocate_slots, KVCacheManager.cache_blocks) goes through the coordinator's cache_blocks, which "
+          "one-group models (UnitaryKVCacheCoordinator) inherit", _cache_blocks),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache",
           "probe the backend's paged layout and set up the worker-side eviction state (CPU runner inherits "
           "it; CPUModelRunner.initialize_kv_cache calls super())", _initialize_kv_cache),
