@@ -139,9 +139,9 @@ def test_unsupported_engine_configurations_rejected(tiny_model_dir, monkeypatch)
     """Each off-table setting names itself (the whole table: tests/test_engine_allowlist.py)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=tiny_model_dir, enable_prefix_caching=True, max_model_len=1024,
+    args = EngineArgs(model=tiny_model_dir, disable_cascade_attn=False, max_model_len=1024,
                       additional_config={"kvtier": {}})
-    with pytest.raises(UnsupportedEngineConfig, match="enable_prefix_caching=True"):
+    with pytest.raises(UnsupportedEngineConfig, match="disable_cascade_attn=False"):
         args.create_engine_config()
 
     def config():

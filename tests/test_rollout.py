@@ -202,7 +202,7 @@ def test_rollout_config_to_engine_arguments_and_request_overrides(tiny_model_dir
     assert settings.eviction.default.budget == 128 and settings.eviction.default.policy == "recency"
     args = engine_args_from_rollout(rc, SimpleNamespace(local_path=tiny_model_dir, trust_remote_code=False),
                                     settings, seed=0, sleep_supported=False)
-    assert args["model"] == tiny_model_dir and args["enable_prefix_caching"] is False
+    assert args["model"] == tiny_model_dir and args["enable_prefix_caching"] is True
     assert args["additional_config"]["kvtier"]["default"]["budget"] == 128
     assert args["kv_cache_memory_bytes"] == 64 << 20 and args["max_num_seqs"] == 3
     assert args["worker_extension_cls"] == "kvtier.rollout.worker_ext.KVTierWorkerExtension"

@@ -117,6 +117,34 @@ def bench_throughput(
         raise typer.Exit(2)
 
 
+@bench_app.command("prefix-cache")
+def bench_prefix_cache(
+    prompts: int = typer.Option(16, help="Distinct prompts."),
+    samples: int = typer.Option(8, help="Samples per prompt (GRPO's n)."),
+    prompt_tokens: int = typer.Option(1024, "--prompt-tokens"),
+    gen_tokens: int = typer.Option(1024, "--gen-tokens", help="Generated per sample (ignore_eos)."),
+    budget: int = typer.Option(1280, help="K of the compressed arms (random protects the prompt: K counts it)."),
+    buffer: int = typer.Option(64),
+    kv_blocks: int = typer.Option(64, "--kv-blocks", help="Usable KV blocks of the pool (tiny model, 128 tokens each)."),
+    arms: str = typer.Option("stock+pc,full,full+pc,k,k+pc", help="stock+pc, full, full+pc, k, k+pc (+pc: prefix caching)."),
+    model: Optional[str] = typer.Option(None, help="HF model dir (default: the tiny local Qwen3)."),
+    out: Optional[Path] = typer.Option(None, help="Also write the JSON here."),
+    plot: Optional[str] = typer.Option(None, help="Write a PNG (tok/s and prompt tokens computed per arm) here."),
+) -> None:
+    """Shared-prefix workload: prompt tokens computed, hit rate, tok/s and preemptions per arm, with and
+    without prefix caching, against stock vLLM with prefix caching at equal KV memory."""
+    from kvtier.benchmarks.harness import TINY_BLOCK_BYTES
+    from kvtier.benchmarks.prefix_cache import SharedPrefixShape, run_prefix_cache_bench
+    from kvtier.models.tiny import ensure_tiny_model
+
+    shape = SharedPrefixShape(prompts=prompts, samples=samples, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
+                              budget=budget, buffer=buffer, kv_bytes=(kv_blocks + 1) * TINY_BLOCK_BYTES)
+    report = run_prefix_cache_bench(model or str(ensure_tiny_model()), shape, arms.split(","), plot)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=1) + "\n")
+    _print_json(report)
+
+
 @bench_app.command("rollout")
 def bench_rollout(
     samples: int = typer.Option(20, help="Prompts in the batch (one response each)."),

@@ -16,11 +16,13 @@ TINY_BLOCK_BYTES = kv_bytes_per_token(TINY_CONFIG) * TINY_BLOCK_TOKENS   # one b
 
 @dataclass
 class StepObserver:
-    """Wraps one in-process scheduler instance to record the peak running batch and every preemption."""
+    """Wraps one in-process scheduler instance to record the peak running batch, every preemption and the
+    tokens every step scheduled (prefill chunks, recomputes and decode tokens alike)."""
 
     peak_running: int = 0
     preemptions: int = 0
     steps: int = 0
+    scheduled_tokens: int = 0
     _sched: object = field(default=None, repr=False)
 
     def attach(self, llm) -> "StepObserver":
@@ -32,6 +34,7 @@ class StepObserver:
         def observed_schedule(*a, **kw):
             out = schedule(*a, **kw)
             self.steps += 1
+            self.scheduled_tokens += out.total_num_scheduled_tokens
             self.peak_running = max(self.peak_running, len(sched.running))
             return out
 
@@ -43,7 +46,7 @@ class StepObserver:
         return self
 
     def reset(self) -> None:
-        self.peak_running = self.preemptions = self.steps = 0
+        self.peak_running = self.preemptions = self.steps = self.scheduled_tokens = 0
 
 
 def build_bench_engine(model: str, kv_bytes: int, max_model_len: int, max_num_seqs: int, buffer: int,

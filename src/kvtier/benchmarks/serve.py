@@ -109,7 +109,8 @@ def kvtier_config(base: dict, settings: EngineSettings) -> dict:
     settings."""
     cfg = json.loads(json.dumps(base))
     (name, eng), = cfg["engines"].items()
-    eng.update(kv_cache_bytes=settings.kv_cache_bytes, max_model_len=settings.max_model_len, model_id=settings.model_id)
+    eng.update(kv_cache_bytes=settings.kv_cache_bytes, max_model_len=settings.max_model_len, model_id=settings.model_id,
+               enable_prefix_caching=settings.prefix_caching)
     eng.setdefault("engine_kwargs", {}).update(max_num_seqs=settings.max_num_seqs, enforce_eager=True)
     cfg.setdefault("server", {}).pop("port", None)
     return cfg

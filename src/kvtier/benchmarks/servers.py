@@ -35,17 +35,18 @@ class EngineSettings:
     kv_cache_bytes: int
     max_model_len: int
     max_num_seqs: int
+    prefix_caching: bool = False   # vLLM's prefix caching, the same in every arm
 
     def vllm_cli(self) -> list[str]:
         return ["--model", self.model_path, "--served-model-name", self.model_id,
                 "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
                 "--max-num-seqs", str(self.max_num_seqs), "--enforce-eager", "--dtype", "bfloat16",
-                "--no-enable-prefix-caching"]
+                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
 
     def engine_kwargs(self) -> dict:
         return {"max_model_len": self.max_model_len, "kv_cache_memory_bytes": self.kv_cache_bytes,
                 "max_num_seqs": self.max_num_seqs, "enforce_eager": True, "dtype": "bfloat16",
-                "enable_prefix_caching": False}
+                "enable_prefix_caching": self.prefix_caching}
 
 
 def process_group(proc_name: str, cmdline: str) -> str:

@@ -17,7 +17,9 @@ WARMUP_PROMPT_TOKENS = 16
 
 def engine_kwargs(*, eviction: dict | EngineEvictionConfig | None = None, kv_cache_bytes: int | None = None,
                   **kwargs: Any) -> dict[str, Any]:
-    """vLLM engine arguments for a compressed engine: prefix caching off, kvtier config attached."""
+    """vLLM engine arguments for a compressed engine, kvtier config attached. Prefix caching is off unless
+    enable_prefix_caching=True (the service and rollouts turn it on; in-process engines keep every prefill
+    whole unless asked); with it on, compressed requests share only their protected prompt blocks."""
     cfg = eviction if isinstance(eviction, EngineEvictionConfig) else EngineEvictionConfig.model_validate(eviction or {})
     out = {"enable_prefix_caching": False, "dtype": "bfloat16", **kwargs}
     extra = dict(out.pop("additional_config", None) or {})

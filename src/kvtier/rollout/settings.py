@@ -168,6 +168,9 @@ def engine_args_from_rollout(config, model_config, settings: KVTierRolloutSettin
         "enforce_eager": config.enforce_eager,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "disable_log_stats": config.disable_log_stats,
+        # verl's own switch (on by default): with eviction only protected prompt blocks are shared, which is
+        # what GRPO's n samples of one prompt reuse (engine/scheduler_side.prefix_cache_caps)
+        "enable_prefix_caching": bool(config.enable_prefix_caching),
         "tensor_parallel_size": config.tensor_model_parallel_size,
         "seed": seed,
         "logprobs_mode": config.logprobs_mode,
@@ -177,14 +180,11 @@ def engine_args_from_rollout(config, model_config, settings: KVTierRolloutSettin
         # one device: run the worker inside the engine-core process (no extra worker process to spawn)
         "distributed_executor_backend": "uni" if config.tensor_model_parallel_size == 1 else "mp",
     }
-    if config.enable_prefix_caching:
-        logger.info("kvtier rollout: prefix caching is turned off (compaction rewrites KV block contents)")
     if config.enable_sleep_mode and not sleep_supported:
         logger.info("kvtier rollout: vLLM sleep mode is not available on this platform (CPU); sleep/wake are no-ops")
     extra = _plain(_get(_get(config, "engine_kwargs", {}) or {}, ENGINE_KWARGS_KEY, {})) or {}
     args.update({k: v for k, v in extra.items() if v is not None})
     args = {k: v for k, v in args.items() if v is not None}
-    args.pop("enable_prefix_caching", None)
     return engine_kwargs(eviction=settings.eviction, kv_cache_bytes=settings.kv_cache_bytes, **args)
 
 

@@ -40,7 +40,7 @@ def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, loc
     from kvtier.engine.api import engine_kwargs
 
     kwargs = engine_kwargs(eviction=eng.eviction, kv_cache_bytes=eng.kv_cache_bytes, max_model_len=eng.max_model_len,
-                           worker_extension_cls=WORKER_EXTENSION,
+                           enable_prefix_caching=eng.enable_prefix_caching, worker_extension_cls=WORKER_EXTENSION,
                            **(eng.engine_kwargs if vllm_kwargs is None else vllm_kwargs))
     from .cpu_priority import NICE_ENV
 

@@ -47,6 +47,9 @@ class EngineConfig(_Model):
     accelerator_type: str | None = None             # e.g. "H100" (GPU only)
     max_model_len: int = Field(gt=0)
     kv_cache_bytes: int | None = Field(default=None, gt=0)  # None: vLLM's default sizing
+    # vLLM's prefix caching (its default): with eviction a compressed request shares only the whole blocks of
+    # its protected prompt (engine/scheduler_side.prefix_cache_caps)
+    enable_prefix_caching: bool = True
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     eviction: EngineEvictionConfig = Field(default_factory=EngineEvictionConfig)
     # Ray Serve options: num_replicas or autoscaling_config, ray_actor_options (e.g. resources to pin
@@ -66,7 +69,7 @@ class EngineConfig(_Model):
         managed = {"model", "max_model_len", "additional_config", "enable_prefix_caching", "kv_cache_memory_bytes"}
         if bad := sorted(managed & set(v)):
             raise ValueError(f"set {bad} through the engine's own fields (model, max_model_len, eviction, "
-                             "kv_cache_bytes); prefix caching is always off on compressed engines")
+                             "kv_cache_bytes, enable_prefix_caching)")
         return v
 
 
