@@ -39,6 +39,18 @@ def test_bench_serve_stock_vs_kvtier(tmp_path):
     assert arms["auto"]["preemptions"] == 0 and arms["auto"]["eviction_events"] > 0   # evicted, not preempted
     assert {"proxy", "router", "engine_frontend"} <= set(arms["auto"]["cpu_s"])
     assert set(r["targets_per_run"][0]) == {"long.full", "long.auto"}
+    # where the first token's time goes (#27): every segment, in both kvtier arms; the router's segments
+    # add up to its total, and with the proxy-and-HTTP remainder to the client's mean TTFT (within 10%)
+    assert "ttft_breakdown_ms" not in arms["stock"]
+    for name in ("full", "auto"):
+        b = arms[name]["ttft_breakdown_ms"]
+        assert set(b) == {"route", "to_replica", "engine", "to_router", "total", "proxy_and_http"}, b
+        parts = sum(b[s]["mean_ms"] for s in ("route", "to_replica", "engine", "to_router"))
+        assert abs(parts - b["total"]["mean_ms"]) <= 0.02 + 1e-6 * parts, b
+        assert b["engine"]["mean_ms"] > 0 and b["total"]["p99_ms"] >= b["total"]["mean_ms"] * 0.5
+        assert abs(parts + b["proxy_and_http"]["mean_ms"] - arms[name]["ttft_ms"]) <= 0.1 * arms[name]["ttft_ms"], b
+        assert b["proxy_and_http"]["mean_ms"] >= 0, b
+        assert arms[name]["ttft_ratio_to_stock"] > 0
 
 
 def test_targets_are_plain_json_bools_when_met():

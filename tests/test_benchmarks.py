@@ -49,3 +49,23 @@ def test_bench_capacity_matches_block_arithmetic():
     assert r["measured"]["compressed"] > r["measured"]["full"] >= 1
     assert all(r["matches_block_arithmetic"].values()), r
     assert r["valid"]
+
+
+def test_bench_prefix_cache_smoke_counts_prompt_tokens_computed(tmp_path):
+    """2 prompts x 4 samples of 300 tokens at K=320 (random protects the prompt: 2 whole blocks shared):
+    without prefix caching every prompt token is computed; with it the first sample of each prompt computes
+    its 300 and the other three only the 44 past the shared blocks (same-step hits), which vLLM's own
+    counters see as 256-token hits on all eight lookups but the first two. Evictions ran in both arms."""
+    out, plot = tmp_path / "pc.json", tmp_path / "pc.png"
+    r = run_json(["bench", "prefix-cache", "--prompts", "2", "--samples", "4", "--prompt-tokens", "300",
+                  "--gen-tokens", "150", "--budget", "320", "--buffer", "32", "--kv-blocks", "12", "--arms", "k,k+pc",
+                  "--out", str(out), "--plot", str(plot)])
+    assert json.loads(out.read_text())["arms"].keys() == {"k", "k+pc"} and plot.stat().st_size > 1000
+    k, kpc = r["arms"]["k"], r["arms"]["k+pc"]
+    assert k["prompt_tokens_computed"] == k["prompt_tokens_offered"] == 8 * 300
+    assert kpc["prompt_tokens_computed"] == 2 * 300 + 6 * (300 - 256)
+    assert (kpc["prefix_cache_queries"], kpc["prefix_cache_hits"]) == (8 * 300, 6 * 256)
+    assert r["ratios"]["prompt_tokens_saved"]["k"] == 1 - (2 * 300 + 6 * 44) / 2400
+    for a in (k, kpc):
+        assert a["generated_tokens"] == 8 * 150 and a["eviction_events"] > 0 and a["preemptions"] == 0
+        assert a["free_blocks_after"] == 12

@@ -5,8 +5,9 @@ Arms (servers.py; every engine gets the same model, KV bytes, max_model_len and 
   stock   vLLM's OpenAI server            rayllm  Ray Serve LLM's `build_openai_app`
   full    kvtier serve, tier forced to `full` (the tier header)
   auto    kvtier serve, kvtier's routing (no header)
-`full` and `auto` are two benchmarks against one kvtier server. Workloads: `short` (fits the pool) and `long`
-(KV-bound long generation). Per arm: output tok/s, TTFT and TPOT (mean, p99), preemptions (vLLM's own
+`full` and `auto` are two benchmarks against one kvtier server. Workloads: `idle` (one request at a time),
+`short` (fits the pool) and `long` (KV-bound long generation). For kvtier's arms, where the time to first
+token goes (the router's segments, service/first_token.py, and the rest: Serve's proxy and HTTP). Per arm: output tok/s, TTFT and TPOT (mean, p99), preemptions (vLLM's own
 count), failed requests, CPU seconds per 1,000 generated tokens outside the engine core (the cost of the
 serving path) and each arm's ratio to `stock` in the same run. `--runs N` repeats everything (the machine
 is noisy); ratios are per run, targets are checked per run.
@@ -76,6 +77,17 @@ def counters(arm: str, server: ServerProcess) -> tuple[float | None, float | Non
             float(sum((e.get("eviction") or {}).get("events", 0) for e in engines.values())))
 
 
+def ttft_breakdown(server: ServerProcess, since: float, mean_ttft_ms: float) -> dict:
+    """A kvtier arm's first-token breakdown: the router's segments (mean, p99) over the requests since
+    `since` (the benchmark's warm-ups included), and `proxy_and_http_ms`, the client's mean TTFT minus the
+    router's (Serve's proxy both ways, HTTP, the client)."""
+    stats = httpx.get(server.url + "/v1/kvtier/stats", params={"ttft_since": since}, timeout=30).json()
+    router = stats.get("ttft_breakdown", {}).get("all", {})
+    total = router.get("total", {}).get("mean_ms")
+    return {"ttft_breakdown_ms": {**router, "proxy_and_http": {"mean_ms": round(mean_ttft_ms - total, 2)}}
+            if total is not None else {}}
+
+
 def _delta(after: float | None, before: float | None) -> float | None:
     return None if after is None else after - (before or 0.0)
 
@@ -84,6 +96,7 @@ def run_one(arm: str, server: ServerProcess, settings: EngineSettings, w: Worklo
     from vllm.benchmarks.serve import main as vllm_bench
 
     headers = {"x-kvtier-tier": "full"} if arm == "full" else {}
+    since = time.time()
     before = counters(arm, server)
     before_cpu = server.cpu_seconds()   # CPU is sampled right around the benchmark, not the metric reads
     with contextlib.redirect_stdout(io.StringIO()):   # its report table; the numbers come back as a dict
@@ -93,7 +106,8 @@ def run_one(arm: str, server: ServerProcess, settings: EngineSettings, w: Worklo
     cpu = {g: round(after_cpu.get(g, 0.0) - before_cpu.get(g, 0.0), 2) for g in after_cpu}
     tokens = max(int(r["total_output_tokens"]), 1)
     serving_cpu = sum(cpu.get(g, 0.0) for g in SERVING_PATH)
-    return {
+    extra = {} if arm in ("stock", "rayllm") else ttft_breakdown(server, since, r["mean_ttft_ms"])
+    return {**extra,
         "tok_per_s": round(r["output_throughput"], 1), "ttft_ms": round(r["mean_ttft_ms"], 1),
         "ttft_p99_ms": round(r["p99_ttft_ms"], 1), "tpot_ms": round(r["mean_tpot_ms"], 2),
         "tpot_p99_ms": round(r["p99_tpot_ms"], 2), "completed": r["completed"], "failed": r["failed"],
@@ -131,7 +145,8 @@ def one_run(arms: list[str], settings: EngineSettings, config: dict, workloads: 
             for wname, w in workloads.items():
                 for arm in served:
                     results[wname][arm] = res = run_one(arm, server, settings, w, seed)
-                    log(f"{wname:>5} {arm:>6}: {res['tok_per_s']:8.1f} tok/s  TPOT {res['tpot_ms']:6.2f} ms  "
+                    log(f"{wname:>5} {arm:>6}: {res['tok_per_s']:8.1f} tok/s  TTFT {res['ttft_ms']:7.1f} ms  "
+                        f"TPOT {res['tpot_ms']:6.2f} ms  "
                         f"preemptions {res['preemptions']}  failed {res['failed']}  "
                         f"serving CPU {res['serving_cpu_s_per_1k_tokens']} s/1k tok")
         finally:
@@ -142,6 +157,9 @@ def one_run(arms: list[str], settings: EngineSettings, config: dict, workloads: 
             if stock:
                 res["ratio_to_stock"] = round(res["tok_per_s"] / stock["tok_per_s"], 3)
                 res["tpot_ratio_to_stock"] = round(res["tpot_ms"] / stock["tpot_ms"], 3)
+                res["ttft_ratio_to_stock"] = round(res["ttft_ms"] / stock["ttft_ms"], 3)
+                res["ttft_minus_stock_ms"] = round(res["ttft_ms"] - stock["ttft_ms"], 1)
+                res["ttft_p99_minus_stock_ms"] = round(res["ttft_p99_ms"] - stock["ttft_p99_ms"], 1)
     return results
 
 
@@ -171,6 +189,12 @@ def summarize(runs: list[dict]) -> dict:
             arms[arm] = {k: statistics.median(p[k] for p in per_run if p.get(k) is not None) for k in keys}
             groups = {g for p in per_run for g in p["cpu_s"]}
             arms[arm]["cpu_s"] = {g: statistics.median(p["cpu_s"].get(g, 0.0) for p in per_run) for g in groups}
+            parts = [p["ttft_breakdown_ms"] for p in per_run if p.get("ttft_breakdown_ms")]
+            if parts:   # per segment, the median over runs of its mean and of its p99
+                arms[arm]["ttft_breakdown_ms"] = {
+                    seg: {k: statistics.median(p[seg][k] for p in parts if seg in p and k in p[seg])
+                          for k in ("mean_ms", "p99_ms") if any(k in p.get(seg, {}) for p in parts)}
+                    for seg in parts[0]}
             arms[arm]["runs"] = per_run
         out[wname] = {"arms": arms}
     return out

@@ -52,11 +52,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         config: Optional[Path] = typer.Option(None, "--config", "-c", help="Service YAML whose (single) engine "
                                               "every arm copies (default: src/kvtier/configs/local.yaml)."),
         arms: str = typer.Option("stock,rayllm,full,auto", help="Comma-separated: stock, rayllm, full, auto."),
-        workloads: str = typer.Option("short,long", help="Comma-separated: short, long."),
+        workloads: str = typer.Option("idle,short,long", help="Comma-separated: idle, short, long."),
         runs: int = typer.Option(1, help="Repeat every arm and workload (ratios and targets per run)."),
         kv_cache_bytes: Optional[str] = typer.Option(None, "--kv-cache-bytes", help="Override the engine's KV pool (e.g. 32MiB)."),
         max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Override (default: the config's, `auto` resolved)."),
         max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Override the engine's max_model_len."),
+        idle: str = typer.Option("16x64x32@1", help="idle workload (one request at a time): PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
         short: str = typer.Option("64x64x128@16", help="short workload: PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
         long: str = typer.Option("32x64x3000@32", help="long workload: PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
         out: Optional[Path] = typer.Option(None, help="Write the JSON here too."),
@@ -65,11 +66,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     ) -> None:
         """vLLM's serving benchmark against stock vLLM, Ray Serve LLM and kvtier (tier full, and auto
         routing) on the same engine settings; prints JSON (tok/s, TTFT, TPOT, preemptions, failed, serving
-        CPU per 1k tokens, ratios to stock)."""
+        CPU per 1k tokens, ratios to stock, and for kvtier's arms where the first token's time goes)."""
         from kvtier.benchmarks.serve import Workload, plot as draw, run_serve_bench
 
         cfg, settings = engine_settings(config, kv_cache_bytes, max_num_seqs, max_model_len)
-        specs = {"short": short, "long": long}
+        specs = {"idle": idle, "short": short, "long": long}
         chosen = {}
         for w in workloads.split(","):
             try:
@@ -77,7 +78,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 p, i, o = (int(x) for x in counts.split("x"))
                 chosen[w] = Workload(prompts=p, input_len=i, output_len=o, concurrency=int(conc))
             except (KeyError, ValueError):
-                raise typer.BadParameter(f"workload {w!r}: expected short|long as PROMPTSxINPUTxOUTPUT@CONCURRENCY") from None
+                raise typer.BadParameter(f"workload {w!r}: expected idle|short|long as PROMPTSxINPUTxOUTPUT@CONCURRENCY") from None
         bad = set(arms.split(",")) - {"stock", "rayllm", "full", "auto"}
         if bad:
             raise typer.BadParameter(f"unknown arms {sorted(bad)}", param_hint="--arms")

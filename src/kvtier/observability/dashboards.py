@@ -142,6 +142,12 @@ def operations() -> dm.Dashboard:
          (quantile(0.99, "ray_vllm_time_to_first_token_seconds", model, "model_name"), "engine p99 {{model_name}}")],
         units.Seconds, w=8))
     d = d.with_panel(timeseries_panel(
+        pid(), "Time to first token by segment (mean)",
+        "Where the router's share of the TTFT goes, per segment: route (tier chosen), to_replica, engine "
+        "(replica arrival to vLLM's first chunk), to_router. Stacked: the top is the router's TTFT.",
+        [(mean("ray_kvtier_router_ttft_segment_seconds", tier, "segment"), "{{segment}}")],
+        units.Seconds, w=8, stack=True))
+    d = d.with_panel(timeseries_panel(
         pid(), "Time per output token p50 / p99", "Inter-token latency inside each engine (vLLM).",
         [(quantile(0.5, "ray_vllm_inter_token_latency_seconds", model, "model_name"), "p50 {{model_name}}"),
          (quantile(0.99, "ray_vllm_inter_token_latency_seconds", model, "model_name"), "p99 {{model_name}}")],

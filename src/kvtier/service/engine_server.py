@@ -2,7 +2,8 @@
 
 Additions to the stock server:
 - `kvtier_generate(kind, body)`: completions/chat from a plain JSON body, answering plain JSON/SSE (the
-  router never imports vLLM); vLLM's and kvtier's input errors become 400 bodies.
+  router never imports vLLM); vLLM's and kvtier's input errors become 400 bodies. Its first item carries
+  the replica's timestamps for the router's time-to-first-token breakdown (`first_item`).
 - `kvtier_load()`: the scheduler's load after its latest step (running / waiting requests, KV pool usage and
   free blocks), captured by a stat logger attached to the engine, plus the requests the frontend has in
   flight; the router polls every replica's load for the KV-pressure rule.
@@ -28,6 +29,8 @@ from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
 
 from kvtier.engine.api import WARMUP_PROMPT_TOKENS
+
+from .first_token import first_item
 
 logger = logging.getLogger("kvtier.service")
 
@@ -134,7 +137,15 @@ class KVTierLLMServer(LLMServer):
     async def kvtier_generate(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[str | dict[str, Any]]:
         """OpenAI completion ("completions") or chat ("chat") from a plain JSON body, yielding only plain
         data so the router never unpickles vLLM types: SSE text for streams, {"response": body} for a
-        whole response, {"error": {...}} for a rejected request."""
+        whole response, {"error": {...}} for a rejected request. The first item is wrapped by
+        `first_item` with this replica's arrival and first-output times."""
+        received = time.time()
+        first = True
+        async for item in self._generate(kind, payload):
+            yield first_item(item, received) if first else item
+            first = False
+
+    async def _generate(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[str | dict[str, Any]]:
         from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 
         try:

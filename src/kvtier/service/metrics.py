@@ -11,13 +11,17 @@ the client abandons counts in `cancelled`, not in tokens."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter as _Counter
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 from kvtier.observability.exporters import catalog_metric
 
+from .first_token import SEGMENTS, summarize
+
 TTFT_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+SEGMENT_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 
 _RAY_METRICS = {  # attribute -> (catalog name, histogram boundaries)
@@ -28,7 +32,9 @@ _RAY_METRICS = {  # attribute -> (catalog name, histogram boundaries)
     "cancelled": ("ray_kvtier_router_cancelled_total", None),
     "latency": ("ray_kvtier_router_request_latency_seconds", LATENCY_BOUNDARIES),
     "ttft": ("ray_kvtier_router_ttft_seconds", TTFT_BOUNDARIES),
+    "ttft_segments": ("ray_kvtier_router_ttft_segment_seconds", SEGMENT_BOUNDARIES),
 }
+RECENT_BREAKDOWNS = 8192   # per-request first-token breakdowns kept for /v1/kvtier/stats?ttft_since=
 
 
 def _ray_metrics() -> dict[str, Any] | None:
@@ -48,6 +54,7 @@ class RouterMetrics:
         self.decisions: _Counter[tuple[str, str]] = _Counter()
         self.rejections: _Counter[tuple[int, str]] = _Counter()
         self.tiers: dict[str, _Counter[str]] = defaultdict(_Counter)
+        self.breakdowns: deque[tuple[float, str, dict[str, float]]] = deque(maxlen=RECENT_BREAKDOWNS)
         self._ray: dict[str, Any] | None = None
         if export:
             try:
@@ -76,6 +83,21 @@ class RouterMetrics:
     def first_token(self, tier: str, seconds: float) -> None:
         """First chunk of a stream (or the whole response) reached the client's connection."""
         self._observe("ttft", seconds, {"tier": tier})
+
+    def first_token_segments(self, tier: str, segments: dict[str, float]) -> None:
+        """Where one request's time to first token went inside the service (first_token.segments)."""
+        with self._lock:
+            self.breakdowns.append((time.time(), tier, segments))
+        for name in SEGMENTS:
+            self._observe("ttft_segments", segments[name], {"tier": tier, "segment": name})
+
+    def first_token_breakdown(self, since: float) -> dict[str, dict]:
+        """Per tier and over all tiers ("all"), the segments' mean and p99 over the requests that arrived
+        since `since` (unix time; the most recent RECENT_BREAKDOWNS only)."""
+        with self._lock:
+            recent = [(tier, seg) for t, tier, seg in self.breakdowns if t - seg["total"] >= since]
+        out = {tier: summarize([seg for t, seg in recent if t == tier]) for tier in sorted({t for t, _ in recent})}
+        return {**out, "all": summarize([seg for _, seg in recent])} if recent else {}
 
     def finished(self, tier: str, seconds: float, usage: dict | None) -> None:
         """A request answered in full; `usage` is the engine's OpenAI usage block (None: not reported)."""

@@ -26,6 +26,7 @@ from .config import ServiceConfig
 from .engine_health import EngineHealth
 from .errors import ERROR_RESPONSES, ServeError, engine_failure, error_response, looks_dead
 from .metrics import RouterMetrics
+from .first_token import segments, unwrap_first
 from .routing import Decision, RequestShape, RouteError, resolve_model, route
 from .sse import relay_stream
 
@@ -104,7 +105,7 @@ class KVTierRouter:
         return payload
 
     async def _serve(self, request: Request, body: CompletionBody | ChatBody, kind: str) -> Response:
-        t0 = time.perf_counter()
+        t0, arrived = time.perf_counter(), time.time()
         request_id = f"kvtier-{uuid.uuid4().hex}"
         try:
             decision = self._decide(request, body, kind)
@@ -113,6 +114,7 @@ class KVTierRouter:
                 raise ServeError(503, f"engine {decision.engine!r} is unavailable (restarting?); retry shortly",
                                  "engine-unavailable", headers={"retry-after": "5"})
             payload = self._engine_payload(body, decision, kind, request_id)
+            decided = time.time()
         except ServeError as exc:
             self.metrics.rejection(exc.status, exc.reason)
             return error_response(exc.status, exc.message, exc.reason, exc.param, exc.headers)
@@ -120,10 +122,11 @@ class KVTierRouter:
                    "x-kvtier-detail": decision.detail, "x-kvtier-request-id": request_id}
         gen = self.streams[decision.engine].kvtier_generate.remote(kind, payload)
         try:
-            first = await self._first_item(gen, decision.engine)
+            first, replica_times = unwrap_first(await self._first_item(gen, decision.engine))
         except Exception as exc:  # noqa: BLE001
             gen.cancel()
             return self._reject(engine_failure(exc, decision.engine), headers)
+        breakdown = segments(arrived, decided, replica_times, time.time())
         if isinstance(first, dict) and "error" in first:
             gen.cancel()
             err = first["error"]
@@ -135,6 +138,7 @@ class KVTierRouter:
             return self._reject(ServeError(status, message, "engine-rejected", err.get("param")), headers)
         tier = decision.tier.name
         self.metrics.decision(tier, decision.reason)
+        self.metrics.first_token_segments(tier, breakdown)
         if isinstance(first, dict):  # a whole (non-streaming) response
             elapsed = time.perf_counter() - t0
             self.metrics.first_token(tier, elapsed)
@@ -199,14 +203,17 @@ class KVTierRouter:
                             status_code=200 if ok else 503)
 
     @app.get("/v1/kvtier/stats")
-    async def stats(self, request: Request, eviction: bool = False):
+    async def stats(self, request: Request, eviction: bool = False, ttft_since: float | None = None):
         """Router counters, the engines' last polled load (KV pool free/total blocks, queue) and, with
-        `?eviction=true`, each engine's kvtier eviction counters."""
+        `?eviction=true`, each engine's kvtier eviction counters; with `?ttft_since=UNIX_TIME`, the time to
+        first token of the requests that arrived since then, per tier, segment by segment (first_token.py)."""
         try:
             self.auth.tenant(request.headers.get("authorization"))
         except AuthError as exc:
             return error_response(401, exc.message, "unauthorized")
         out: dict[str, Any] = {"router": self.metrics.snapshot(), "engines": {}}
+        if ttft_since is not None:
+            out["ttft_breakdown"] = self.metrics.first_token_breakdown(ttft_since)
         for name in self.engines:
             await self.engine_health.poll_once(name)  # fresh numbers for callers that wait on them (tests, operators)
             out["engines"][name] = {k: v for k, v in self.engine_health.state[name].items()}
