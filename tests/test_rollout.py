@@ -119,7 +119,7 @@ def _start_prometheus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def rollout(tiny_model_dir, tmp_path_factory):
     """The stock reference runs first (its engine is gone before kvtier's starts); Ray starts meanwhile."""
-    from kvtier.rollout.local import LocalRollout, init_local_ray
+    from kvtier.rollout.cpu.local import LocalRollout, init_local_ray
     from kvtier.rollout.verl_config import compose_config, cpu_rollout_overrides
 
     t0 = time.perf_counter()
@@ -231,7 +231,7 @@ def test_backend_selected_by_rollout_name_and_registered_in_ray_workers(rollout)
     from verl.workers.rollout.replica import get_rollout_replica_class
 
     from kvtier.rollout.adapter import KVTierServerAdapter
-    from kvtier.rollout.local import registration_state
+    from kvtier.rollout.cpu.local import registration_state
     from kvtier.rollout.replica import KVTierReplica
 
     cfg = rollout.config
@@ -253,7 +253,7 @@ def test_backend_selected_by_rollout_name_and_registered_in_ray_workers(rollout)
 def test_agent_loop_batch_responses_logprobs_and_eviction_stats(rollout, replay):
     """DataProto through verl's agent loop: responses, a log-prob per response token that equals a
     masked-attention replay of the engine's logged keep-sets, and per-sample eviction columns."""
-    from kvtier.rollout.local import chat_batch
+    from kvtier.rollout.cpu.local import chat_batch
     from kvtier.rollout.metrics import eviction_metrics
 
     out = rollout.generate_sequences(chat_batch(CHAT_PROMPTS))
@@ -437,7 +437,7 @@ def test_rollout_dashboard_reads_the_samples_from_a_live_prometheus(rollout):
 
     from kvtier.observability import dashboards
     from kvtier.observability.exporters import EVICTIONS_BOUNDARIES, RESPONSE_LENGTH_BOUNDARIES
-    from kvtier.rollout.local import chat_batch
+    from kvtier.rollout.cpu.local import chat_batch
 
     prom = rollout.prometheus
     if prom is None:
@@ -484,7 +484,7 @@ def test_tool_agent_loop_multi_turn_beyond_budget_runs_compressed(rollout, repla
     kvtier's agent-loop worker adds the calls up)."""
     import numpy as np
 
-    from kvtier.rollout.local import chat_batch
+    from kvtier.rollout.cpu.local import chat_batch
 
     def register_parser(_worker, name=TEST_TOOL_PARSER):
         """In an agent-loop worker (a nested function: cloudpickle ships it by value): a tool parser that
@@ -631,7 +631,7 @@ def test_validation_runs_at_val_budget_and_metrics_reach_the_trainer(rollout):
 
     from verl.trainer.ppo.metric_utils import compute_timing_metrics
 
-    from kvtier.rollout.local import chat_batch
+    from kvtier.rollout.cpu.local import chat_batch
     from kvtier.rollout.metrics import eviction_metrics
     from kvtier.rollout.trainer_hooks import KVTierAgentLoopManager, KVTierMetricsMixin, v1_eviction_metrics
 

@@ -1,6 +1,6 @@
 """`kvtier bench rollout`: the rollout phase of one long-CoT batch through verl's agent loop on the kvtier
 backend (rollout.name=kvtier: verl's `AgentLoopManager` and single-turn agent loop driving `KVTierReplica`'s
-server, as `kvtier.rollout.local.LocalRollout` builds them), compressed (budget K) vs full attention.
+server, as `kvtier.rollout.cpu.local.LocalRollout` builds them), compressed (budget K) vs full attention.
 
 Both arms run on ONE server engine, so one KV pool (sized for `full_seqs` full-length sequences): the
 engine's training default is the compressed policy; the full arm is the same batch sent the way verl's
@@ -106,7 +106,7 @@ def rollout_overrides(model: str, s: RolloutShape) -> list[str]:
 def _run_arm(rollout, prompts: list[str], validate: bool) -> dict:
     import ray
 
-    from kvtier.rollout.local import chat_batch
+    from kvtier.rollout.cpu.local import chat_batch
     from kvtier.rollout.metrics import per_sample_stats
 
     server = rollout.server
@@ -142,8 +142,8 @@ def _run_arm(rollout, prompts: list[str], validate: bool) -> dict:
 def run_rollout_bench(model: str, s: RolloutShape) -> dict:
     import ray
 
-    from kvtier.rollout.demo import demo_prompts
-    from kvtier.rollout.local import LocalRollout, chat_batch, init_local_ray
+    from kvtier.rollout.cpu.demo import demo_prompts
+    from kvtier.rollout.cpu.local import LocalRollout, chat_batch, init_local_ray
     from kvtier.rollout.verl_config import compose_config
 
     config = compose_config(rollout_overrides(model, s))

@@ -22,7 +22,7 @@ def demo(
     kv_cache_mb: int = typer.Option(64, help="KV pool size in MiB."),
 ) -> None:
     """Generate a batch of rollouts through verl's agent loop on the kvtier backend; print per-sample stats."""
-    from kvtier.rollout.demo import run_demo
+    from kvtier.rollout.cpu.demo import run_demo
 
     run_demo(model=model, budget=budget or None, buffer=buffer, policy=policy, batch_size=batch_size,
              response_length=response_length, temperature=temperature, kv_cache_bytes=kv_cache_mb << 20,
@@ -50,7 +50,7 @@ def smoke(
 ) -> None:
     """Run verl's `main_ppo` (GRPO, hybrid engine, v1 or v0 trainer) on kvtier rollouts on CPU; one JSON line
     per step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
-    from .rl_smoke import TRAINERS, run_smoke
+    from .cpu.rl_smoke import TRAINERS, run_smoke
 
     if trainer not in TRAINERS:
         raise typer.BadParameter(f"--trainer must be one of {', '.join(TRAINERS)}")

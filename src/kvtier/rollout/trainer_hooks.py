@@ -102,7 +102,7 @@ class KVTierAgentLoopManager(AgentLoopManager):
     @classmethod
     def create_dataproto(cls, *args, **kwargs):
         """The DataProto-in/DataProto-out manager whatever `trainer.use_v1` says (`RayPPOTrainer`'s path;
-        `kvtier.rollout.local.LocalRollout`)."""
+        `kvtier.rollout.cpu.local.LocalRollout`)."""
         return super().create(*args, **kwargs)
 
     @auto_await

@@ -6,9 +6,9 @@ TransferQueue), sync mode, hybrid engine (actor + rollout in one worker group: `
 `KVTierReplica.init_hybrid`), naive weight sync from the FSDP actor to the kvtier vLLM engine every step,
 the rollout put to sleep and woken every step. What kvtier adds, all through verl's extension points:
 
-* `kvtier.rollout.cpu_platform` — verl's `cpu` platform (FSDP2 over gloo; see its doc for each patch);
+* `kvtier.rollout.cpu.verl_platform` — verl's `cpu` platform (FSDP2 over gloo; see its doc for each patch);
 * `kvtier.rollout.verl_plugin` — `rollout.name=kvtier`;
-* `kvtier.rollout.rl_smoke_hooks` — records sleeps, wake-ups and weight syncs, checks the engine's log-probs
+* `kvtier.rollout.cpu.rl_smoke_hooks` — records sleeps, wake-ups and weight syncs, checks the engine's log-probs
   against transformers on the synced weights, registers the `kvtier_sync` trainer (eviction metrics);
 * `trainer.v1.trainer_mode=kvtier_sync` + `rollout.agent.agent_loop_manager_class=KVTierAgentLoopManager`
   (`kvtier.rollout.trainer_hooks`): kvtier's eviction metrics in the trainer's logged metrics.
@@ -18,7 +18,7 @@ the rollout put to sleep and woken every step. What kvtier adds, all through ver
 kvtier's eviction metrics reach it through `KVTierAgentLoopManager` (the batch's `meta_info["timing"]`) and
 are logged as `timing_s/rollout/kvtier/...`; `trainer.v1.trainer_mode` is not set. Obstacles met running it
 on CPU: none beyond the v1 run's. Both trainers build the same `ActorRolloutRefWorker` (FSDP2 engine, hence
-the same `cpu_platform` patches and config), `LLMServerManager` (hybrid `KVTierReplica`) and
+the same `verl_platform` patches and config), `LLMServerManager` (hybrid `KVTierReplica`) and
 `CheckpointEngineManager` (naive sync, sleep/wake), so the v0 run needed only `trainer.use_v1=false`. What
 differs in its output: verl warns that `main_ppo_v0`/`RayPPOTrainer` are deprecated (still in 0.9.1); it
 logs no `training/off_policy/trajectory_staleness/*` (`rollout_weights_staleness` is null); the kvtier
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-EXTERNAL_MODULES = "kvtier.rollout.cpu_platform,kvtier.rollout.verl_plugin,kvtier.rollout.rl_smoke_hooks"
+EXTERNAL_MODULES = "kvtier.rollout.cpu.verl_platform,kvtier.rollout.verl_plugin,kvtier.rollout.cpu.rl_smoke_hooks"
 TRAINER_MODE = "kvtier_sync"
 TRAINERS = ("v1", "v0")
 IS_MEAN = "rollout_corr/rollout_is_mean"
@@ -223,7 +223,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     if trainer not in TRAINERS:
         raise ValueError(f"trainer must be one of {TRAINERS}, not {trainer!r}")
     from kvtier.models.tiny import ensure_tiny_model
-    from kvtier.rollout.rl_smoke_hooks import CHECK_ENV, EVENTS_ENV
+    from kvtier.rollout.cpu.rl_smoke_hooks import CHECK_ENV, EVENTS_ENV
     from kvtier.rollout.verl_config import CONFIG_DIR, GRPO_CONFIG
 
     model = model or str(ensure_tiny_model())
@@ -317,6 +317,6 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
 
 
 def _read_events(path: Path) -> list[dict]:
-    from kvtier.rollout.rl_smoke_hooks import read_events
+    from kvtier.rollout.cpu.rl_smoke_hooks import read_events
 
     return read_events(str(path))

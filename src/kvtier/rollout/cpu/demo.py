@@ -33,8 +33,8 @@ def run_demo(*, model: str | None = None, budget: int | None = 64, buffer: int =
     from kvtier.models.tiny import ensure_tiny_model
 
     from .local import LocalRollout, chat_batch, init_local_ray
-    from .metrics import eviction_metrics, per_sample_stats
-    from .verl_config import compose_config, cpu_rollout_overrides
+    from ..metrics import eviction_metrics, per_sample_stats
+    from ..verl_config import compose_config, cpu_rollout_overrides
 
     model = model or str(ensure_tiny_model())
     overrides = cpu_rollout_overrides(model, budget=budget, buffer=buffer, policy=policy, prompt_length=prompt_length,

@@ -4,7 +4,7 @@ on a machine without accelerators — through verl's extension points, no verl f
 Load it in every verl process *before* anything asks verl for its platform, and select it:
 
     VERL_PLATFORM=cpu
-    VERL_USE_EXTERNAL_MODULES=kvtier.rollout.cpu_platform,kvtier.rollout.verl_plugin   # this module first
+    VERL_USE_EXTERNAL_MODULES=kvtier.rollout.cpu.verl_platform,kvtier.rollout.verl_plugin   # this module first
 
 (`kvtier rl smoke` sets both, in the driver and in Ray's runtime environment.) verl's `__init__` imports the
 modules named in `VERL_USE_EXTERNAL_MODULES` before any verl module resolves the platform singleton
@@ -13,7 +13,7 @@ modules named in `VERL_USE_EXTERNAL_MODULES` before any verl module resolves the
 What it does, and why (each item is a verl 0.9.1 assumption that fails on CPU):
 
 1. **`PlatformCPU`** registered in `verl.plugin.platform.PlatformRegistry` as `cpu`: device name `cpu`,
-   communication backend `gloo`, a `torch.cuda` stand-in (`device_module`, in `cpu_device_module.py`)
+   communication backend `gloo`, a `torch.cuda` stand-in (`device_module`, in `device_module.py`)
    whose memory/stream/RNG calls work on CPU. `current_device()` returns `torch.device("cpu")`, not an int: verl passes
    `get_device_id()` to `.to()` / `device=`, where an int means a CUDA index. Never auto-detected
    (`is_platform_available` is False): only `VERL_PLATFORM=cpu` selects it.
@@ -52,7 +52,7 @@ import torch
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
-from .cpu_device_module import CpuDeviceModule
+from .device_module import CpuDeviceModule
 
 logger = logging.getLogger("kvtier.rollout")
 

@@ -1,5 +1,5 @@
 """The `torch.cuda` stand-in verl reaches through `get_torch_device()` on kvtier's `cpu` platform
-(`cpu_platform.PlatformCPU.device_module`): memory, stream, event and RNG calls that work on CPU."""
+(`verl_platform.PlatformCPU.device_module`): memory, stream, event and RNG calls that work on CPU."""
 
 from __future__ import annotations
 
