@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from kvtier.benchmarks.servers import free_port  # noqa: F401 - a port Ray's own start cannot take first
+from kvtier.service.ports import free_port  # noqa: F401 - a port Ray's own start cannot take first
 
 ROOT = Path(__file__).resolve().parents[1]
 KVTIER = str(Path(sys.executable).with_name("kvtier"))

@@ -71,7 +71,7 @@ def test_server_ports_are_outside_the_ephemeral_range_and_skip_taken_ones(monkey
     import socket
     from pathlib import Path
 
-    from kvtier.benchmarks import servers
+    from kvtier.service import ports as servers   # the picker the benchmarks and the service share
 
     low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     ports = {servers.free_port() for _ in range(20)}

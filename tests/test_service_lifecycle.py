@@ -105,3 +105,45 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background):
                 except psutil.Error:
                     pass
         svc.stop()
+
+
+def test_direct_ingress_serves_the_port_from_the_router_and_stops_cleanly(tmp_path):
+    """`server.ingress: direct` (#27): the router replica itself listens on the service port (Serve's proxy
+    moves to another), a stream gets its tier headers and tokens, the first-token breakdown is recorded,
+    and SIGTERM still stops everything."""
+    import yaml
+
+    from kvtier.service.config import DEFAULT_CONFIG
+
+    config = yaml.safe_load(open(DEFAULT_CONFIG))
+    config.setdefault("server", {})["ingress"] = "direct"
+    svc = ServeProcess(config, tmp_path, name="direct")
+    procs: list[psutil.Process] = []
+    try:
+        svc.wait_ready()
+        procs = svc.descendants()
+        listeners = {c.laddr.port: p for p in procs for c in _listening(p)}
+        assert "ServeReplica:kvtier:KVTierRouter" in _describe(listeners[svc.port]), _describe(listeners[svc.port])
+        since = time.time()
+        with httpx.Client(base_url=svc.url, timeout=120) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "prompt": "Hello world", "max_tokens": 8, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body, headers={"x-kvtier-tier": "full"}) as r:
+                assert r.status_code == 200 and r.headers["x-kvtier-tier"] == "full"
+                events = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and len(events) >= 2
+            stats = http.get("/v1/kvtier/stats", params={"ttft_since": since}).json()
+            assert stats["ttft_breakdown"]["full"]["engine"]["n"] == 1
+        svc.proc.send_signal(signal.SIGTERM)
+        assert svc.proc.wait(60) == 0, svc.log()[-3000:]
+        left = [_describe(p) for p in procs if _alive(p)]
+        assert not left, f"left running after exit: {left}"
+    finally:
+        svc.stop()
+
+
+def _listening(p: psutil.Process) -> list:
+    try:
+        return [c for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+    except psutil.Error:
+        return []

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .config import ServiceConfig
 from .cpu_priority import PriorityKeeper, prepare_local_ray, replica_titles
+from .ports import free_port
 
 logger = logging.getLogger("kvtier.service")
 # what start() brought up in this process, for stop(): Ray (and its session directory), the app
@@ -34,7 +35,15 @@ class Running:
     session_dir: str | None = None   # the local Ray session this process started
 
 
-def _ray_init(cfg: ServiceConfig) -> bool:
+def _direct_ingress_env(port: int) -> None:
+    """Ray Serve's direct ingress for the Ray about to start: the ingress (router) replica serves HTTP on
+    `port` itself (Serve allocates ingress ports from this one-port range)."""
+    os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(port)
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(port + 1)
+
+
+def _ray_init(cfg: ServiceConfig, port: int) -> bool:
     import ray
 
     if ray.is_initialized():
@@ -55,6 +64,8 @@ def _ray_init(cfg: ServiceConfig) -> bool:
             os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
             if cfg.server.serving_nice:
                 prepare_local_ray()   # Ray's workers, hence vLLM's processes, at nice 0 (not Ray's 15)
+            if cfg.server.ingress == "direct":
+                _direct_ingress_env(port)
             _OWNED["ray"] = True   # from here on: a stop() (even mid-start) reaps what it launched
             ray.init(address="local", num_cpus=cfg.server.num_cpus, include_dashboard=False,
                      logging_level=logging.WARNING, log_to_driver=False,
@@ -89,7 +100,7 @@ def start(cfg: ServiceConfig, *, host: str | None = None, port: int | None = Non
         logging.getLogger(name).setLevel(logging.WARNING)
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
-    started_ray = _ray_init(cfg)
+    started_ray = _ray_init(cfg, port)
     _OWNED.update(ray=started_ray or _OWNED["ray"], app=cfg.server.app_name)
     if started_ray:
         _OWNED["session_dir"] = _session_dir()
@@ -99,7 +110,9 @@ def start(cfg: ServiceConfig, *, host: str | None = None, port: int | None = Non
             engines = tuple(t for n in cfg.engines for t in replica_titles(cfg.server.app_name, deployment_name(n)))
             _OWNED["priority"] = PriorityKeeper(cfg.server.serving_nice, skip=engines,
                                                session_dir=_OWNED["session_dir"]).start()
-    serve.start(proxy_location=cfg.server.proxy_location, http_options={"host": host, "port": port})
+    # direct ingress: the router replica takes `port`, Serve's proxy (still started) another one
+    proxy_port = free_port(host) if cfg.server.ingress == "direct" else port
+    serve.start(proxy_location=cfg.server.proxy_location, http_options={"host": host, "port": proxy_port})
     app, _ = build_application(cfg, local_ray=started_ray)
     serve.run(app, name=cfg.server.app_name, route_prefix="/", blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
