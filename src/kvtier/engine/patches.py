@@ -157,9 +157,8 @@ def _allocate_slots(orig):
         st = ev.states.get(request.request_id) if ev is not None else None
         if st is None:
             return orig(self, request, num_new_tokens, *args, **kwargs)
-        from .scheduler_side import is_waiting
-
         from . import compat
+        from .scheduler_side import is_waiting
 
         waiting = is_waiting(request)
         shared = compat.held_hit_blocks(kwargs.get("new_computed_blocks")) if waiting else 0

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from vllm.v1.request import RequestStatus
 
-from . import compat
 from kvtier.policies.base import ATTENTION, QUERIES
 
+from . import compat
 from .config import EngineEvictionConfig, EvictionSpec, resolve_request_spec
 from .payload import CompactionOp, StepPayload
 
