@@ -106,3 +106,37 @@ def test_reserve_admission_under_async_scheduling_never_preempts(async_schedulin
     assert all(len(o.outputs[0].token_ids) == 400 for o in outs)
     st = eviction_stats(llm)["engine"]
     assert st["preemptions_compressed"] == 0 and st["events"] > 0
+
+
+def test_prefix_caching_under_async_scheduling(async_scheduling, tiny_model_dir, tmp_path, engines, replay):
+    """Prefix caching with eviction (#26) under async scheduling: eight samples of one 300-token prompt,
+    random K=320 with eight seeds; seven read the two protected prompt blocks, every sample evicts, one
+    matches the masked reference, and the keep-sets are those of the same samples with cache reads skipped."""
+    import random
+
+    from vllm import SamplingParams
+
+    from kvtier.engine.api import sampling_extra_args
+
+    audit = str(tmp_path / "keep.jsonl")
+    llm = build(tiny_model_dir, engines, eviction={"default": {"buffer": BUFFER}, "audit_log": audit},
+                enable_prefix_caching=True)
+    rng = random.Random(27)
+    prompt = {"prompt_token_ids": [rng.randrange(3, 3000) for _ in range(300)]}
+
+    def params(seed, skip):
+        return SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, logprobs=0, skip_reading_prefix_cache=skip,
+                              extra_args=sampling_extra_args(budget=320, seed=seed))
+
+    cached = llm.generate([prompt] * 8, [params(s, False) for s in range(8)], use_tqdm=False)
+    uncached = llm.generate([prompt] * 8, [params(s, True) for s in range(8)], use_tqdm=False)
+    assert [o.num_cached_tokens for o in cached] == [0] + [256] * 7
+    for c, u in zip(cached, uncached):
+        kept = [r["kept"] for r in records_for(audit, c.request_id) if "kept" in r]
+        assert len(kept) >= 3 and kept == [r["kept"] for r in records_for(audit, u.request_id) if "kept" in r]
+    out = cached[5]
+    recs = records_for(audit, out.request_id)
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    err = (engine_logprobs(out) - replay.logprobs(ids, 300, recs, BUFFER)).abs()
+    assert err.max() < 0.06, f"max |engine - masked reference| = {err.max():.4f}"
+    assert pool_state(llm)["free_blocks"] == pool_state(llm)["total_blocks"]
