@@ -253,6 +253,8 @@ def test_backend_selected_by_rollout_name_and_registered_in_ray_workers(rollout)
 def test_agent_loop_batch_responses_logprobs_and_eviction_stats(rollout, replay):
     """DataProto through verl's agent loop: responses, a log-prob per response token that equals a
     masked-attention replay of the engine's logged keep-sets, and per-sample eviction columns."""
+    from kvtier.deathtime import deaths_from_rounds, simulate_deaths
+    from kvtier.policies import EvictionSchedule, make_policy
     from kvtier.rollout.cpu.local import chat_batch
     from kvtier.rollout.metrics import eviction_metrics
 
@@ -275,6 +277,7 @@ def test_agent_loop_batch_responses_logprobs_and_eviction_stats(rollout, replay)
         assert torch.isfinite(lp).all() and (lp[: len(response)] < 0).all() and (lp[len(response):] == 0).all()
         assert nt["kvtier_budget"][i] == BUDGET and nt["kvtier_preemptions"][i] == 0
         assert nt["kvtier_generate_calls"][i] == 1
+        assert (nt["kvtier_buffer"][i], nt["kvtier_policy"][i]) == (BUFFER, "random") and nt["kvtier_seed"][i] is not None
         events, evicted = nt["kvtier_eviction_events"][i], nt["kvtier_tokens_evicted"][i]
         if total > BUDGET + 2 * BUFFER:      # long sample: rounds ran, tokens were evicted
             assert events > 0 and evicted > 0
@@ -300,6 +303,11 @@ def test_agent_loop_batch_responses_logprobs_and_eviction_stats(rollout, replay)
         prompt, response = unpadded(out, i)
         recs = records_for(rollout.audit_log, nt["kvtier_request_id"][i])
         assert len([r for r in recs if "kept" in r]) == nt["kvtier_eviction_events"][i] > 0
+        # #24 item 2: the learner re-derives the sample's evictions from the returned seed, buffer and policy
+        total = len(prompt) + len(response)
+        derived = simulate_deaths(make_policy(nt["kvtier_policy"][i]), EvictionSchedule(BUDGET, nt["kvtier_buffer"][i]),
+                                  len(prompt), total, num_layers=4, num_kv_heads=2, seed=int(nt["kvtier_seed"][i]))
+        assert torch.equal(derived, deaths_from_rounds(recs, 4, 2, total, BUFFER))
         ref = replay.logprobs(prompt + response, len(prompt), recs, BUFFER)
         eng = b["rollout_log_probs"][i, : len(response)]
         err = (eng - ref).abs().max()
@@ -799,7 +807,8 @@ def test_sample_counters_add_up_every_call_of_a_resumed_partial_rollout():
                            extra_fields={"global_steps": 1, "kvtier_budget": 64, "kvtier_request_id": rid,
                                          "kvtier_protect_prefix": None, "kvtier_eviction_events": events,
                                          "kvtier_tokens_evicted": evicted, "kvtier_peak_kv_blocks": peak,
-                                         "kvtier_preemptions": preempted})
+                                         "kvtier_preemptions": preempted, "kvtier_seed": len(rid),
+                                         "kvtier_buffer": 16, "kvtier_policy": "random"})
 
     calls = []
 
@@ -842,7 +851,8 @@ def test_sample_counters_add_up_every_call_of_a_resumed_partial_rollout():
     assert [fp.prefix_len(c["sampling_params"]["kvtier_session"], c["prompt_ids"]) for c in calls] == [3, 3]
     assert totals == applied == {"kvtier_budget": 64, "kvtier_request_id": "x-1", "kvtier_protect_prefix": None,
                                  "kvtier_eviction_events": 5, "kvtier_tokens_evicted": 110,
-                                 "kvtier_peak_kv_blocks": 5, "kvtier_preemptions": 1, "kvtier_generate_calls": 2}
+                                 "kvtier_peak_kv_blocks": 5, "kvtier_preemptions": 1, "kvtier_generate_calls": 2,
+                                 "kvtier_seed": 3, "kvtier_buffer": 16, "kvtier_policy": "random"}   # the first call's
     assert agent_output.extra_fields["kvtier_eviction_events"] == 5 and agent_output.extra_fields["global_steps"] == 1
     # full attention (counters None) stays None; a call rejected at the admission gate (no kvtier fields) and
     # calls outside a trajectory are not counted
@@ -855,3 +865,26 @@ def test_sample_counters_add_up_every_call_of_a_resumed_partial_rollout():
     c.add({"global_steps": 1})
     c.add({"kvtier_budget": None, "kvtier_eviction_events": None, "kvtier_peak_kv_blocks": None})
     assert c.totals()["kvtier_eviction_events"] is None and c.totals()["kvtier_generate_calls"] == 2
+
+
+def test_compressed_requests_get_an_eviction_seed_the_learner_can_rederive_from():
+    """#24 item 2: a compressed request without `kvtier_seed` gets one (written into its extra_args, so the
+    engine draws with it); a request that has one, a full-attention request and eviction off are left as
+    they are; under verl's full_determinism the seed is a function of the run's seed and the request id."""
+    from types import SimpleNamespace
+
+    from kvtier.rollout.request_stats import eviction_seed, seeded_spec
+    from kvtier.rollout.settings import KVTierRolloutSettings
+
+    settings = KVTierRolloutSettings.from_custom({"kvtier": {"budget": 64, "buffer": 16}})
+    params = SimpleNamespace(extra_args=None)
+    spec = seeded_spec(settings, params, "req-1", None)
+    assert spec.budget == 64 and isinstance(spec.seed, int) and params.extra_args == {"kvtier_seed": spec.seed}
+    again = SimpleNamespace(extra_args=dict(params.extra_args))
+    assert seeded_spec(settings, again, "req-1", None).seed == spec.seed and again.extra_args == params.extra_args
+    full = SimpleNamespace(extra_args={"kvtier_budget": "full"})
+    assert seeded_spec(settings, full, "req-2", None).budget is None and full.extra_args == {"kvtier_budget": "full"}
+    off = KVTierRolloutSettings.from_custom({"kvtier": {"budget": 64, "enabled": False}})
+    assert seeded_spec(off, SimpleNamespace(extra_args=None), "req-3", None) is None
+    assert eviction_seed("req-1", 7) == eviction_seed("req-1", 7) != eviction_seed("req-2", 7)
+    assert len({eviction_seed("req-1", None) for _ in range(8)}) > 1

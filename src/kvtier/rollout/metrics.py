@@ -15,6 +15,7 @@ verl's agent loop (`AgentLoopWorker._postprocess`) turns every extra field into 
 | `kvtier_budget` | the budget K it ran with (None: full attention; counters are None too), first call |
 | `kvtier_request_id` | vLLM's internal request id of the first call (the key of the audit log, if written) |
 | `kvtier_protect_prefix` | the prompt prefix the server protected in the first call (None: the whole prompt) |
+| `kvtier_seed`, `kvtier_buffer`, `kvtier_policy` | the first call's eviction seed (the server assigns one when the request has none), r and policy: for `random` the learner re-derives the sample's evictions from them (`kvtier.deathtime.simulate_deaths`) |
 | `kvtier_generate_calls` | generate calls counted (turns, plus resumed attempts of partial rollouts) |
 
 `eviction_metrics(batch)` reduces them to scalars (`rollout/kvtier/<column>/mean|max` over the compressed

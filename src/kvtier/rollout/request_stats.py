@@ -51,10 +51,34 @@ class StatsFetcher:
                         f.set_result(found.get(rid))
 
 
-def request_budget(settings: KVTierRolloutSettings, params) -> int | None:
-    """K of this request (vLLM SamplingParams with kvtier's extra_args); None: full attention or eviction off."""
+def request_spec(settings: KVTierRolloutSettings, params):
+    """The EvictionSpec this request runs with (vLLM SamplingParams with kvtier's extra_args over the
+    engine default); None when eviction is off."""
     from kvtier.engine.config import resolve_request_spec
 
     if not settings.eviction.enabled:
         return None
-    return resolve_request_spec(settings.eviction.default, params.extra_args).budget
+    return resolve_request_spec(settings.eviction.default, params.extra_args)
+
+
+def seeded_spec(settings: KVTierRolloutSettings, params, request_id: str, deterministic_seed: int | None):
+    """The request's EvictionSpec (None: eviction off), with a `kvtier_seed` assigned (and written into
+    `params.extra_args`) when it is compressed and has none."""
+    spec = request_spec(settings, params)
+    if spec is not None and spec.compressed and spec.seed is None:
+        seed = eviction_seed(request_id, deterministic_seed)
+        params.extra_args = {**(params.extra_args or {}), "kvtier_seed": seed}
+        spec = spec.model_copy(update={"seed": seed})
+    return spec
+
+
+def eviction_seed(request_id: str, deterministic_seed: int | None) -> int:
+    """The `kvtier_seed` a compressed request gets when it has none: what the learner re-derives a `random`
+    sample's evictions from (`kvtier.deathtime.simulate_deaths`), so nothing but this integer travels. Fresh
+    entropy, or (verl's full_determinism) a function of the run's seed and the request id."""
+    import os
+    import zlib
+
+    if deterministic_seed is not None:
+        return zlib.crc32(f"{deterministic_seed}:{request_id}".encode())
+    return int.from_bytes(os.urandom(4), "little")

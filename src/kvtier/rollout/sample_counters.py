@@ -30,7 +30,8 @@ So kvtier's agent-loop workers (`kvtier.rollout.trainer_hooks`) add them up on t
 3. before verl's `_agent_loop_postprocess` turns the output into a batch row (DataProto column / the
    TransferQueue's `extra_fields`), the worker writes the totals into the output's `extra_fields`
    (`apply_totals`): events, tokens evicted and preemptions summed, peak KV blocks the max, `kvtier_budget`,
-   `kvtier_request_id` (the audit-log key) and `kvtier_protect_prefix` from the first call, and
+   `kvtier_request_id` (the audit-log key), `kvtier_protect_prefix` and the eviction's seed, buffer and
+   policy from the first call, and
    `kvtier_generate_calls`, the number of calls counted.
 
 Memory: one small object per running trajectory, held by its task's context and gone with it; nothing is
@@ -50,7 +51,8 @@ from verl.workers.rollout.llm_server import LLMServerClient
 
 SUM_FIELDS = ("kvtier_eviction_events", "kvtier_tokens_evicted", "kvtier_preemptions")
 MAX_FIELDS = ("kvtier_peak_kv_blocks",)
-FIRST_FIELDS = ("kvtier_budget", "kvtier_request_id", "kvtier_protect_prefix")
+FIRST_FIELDS = ("kvtier_budget", "kvtier_request_id", "kvtier_protect_prefix", "kvtier_seed", "kvtier_buffer",
+                "kvtier_policy")
 CALLS_FIELD = "kvtier_generate_calls"
 
 _CURRENT: contextvars.ContextVar["SampleCounters | None"] = contextvars.ContextVar("kvtier_sample_counters",

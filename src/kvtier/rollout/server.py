@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from .admission import AdmissionMixin
 from .prompt_protection import FirstPrompts, protect_prefix
-from .request_stats import STAT_FIELDS, StatsFetcher, request_budget
+from .request_stats import STAT_FIELDS, StatsFetcher, seeded_spec
 from .settings import KVTierRolloutSettings, engine_args_from_rollout, split_request_params
 from .weight_sync import WeightSyncMixin
 
@@ -258,6 +258,8 @@ class KVTierServer(WeightSyncMixin, AdmissionMixin):
         protect_prefix = self._protect_prefix(str(session), prompt_ids, params.extra_args or {})
         if protect_prefix is not None:
             params.extra_args = {**(params.extra_args or {}), "kvtier_protect_prefix": protect_prefix}
+        # a compressed request without kvtier_seed gets one: the learner re-derives its evictions from it
+        spec = seeded_spec(self.settings, params, request_id, self.config.seed if self.config.full_determinism else None)
 
         rejected = await self._park_until_admitted()
         if rejected:
@@ -291,9 +293,13 @@ class KVTierServer(WeightSyncMixin, AdmissionMixin):
         counters = await self._stats.get(request_id) if self._stats is not None else None
         extra["num_cached_tokens"] = getattr(final, "num_cached_tokens", None)
         extra["kvtier_request_id"] = (counters or {}).get("internal_request_id", request_id)
-        budget = request_budget(self.settings, params)
+        budget = spec.budget if spec is not None else None
         extra["kvtier_budget"] = budget
         extra["kvtier_protect_prefix"] = protect_prefix if budget is not None else None
+        # what the learner needs to re-derive a keyed-random sample's evictions (kvtier.deathtime.simulate_deaths)
+        extra["kvtier_seed"] = spec.seed if budget is not None else None
+        extra["kvtier_buffer"] = spec.buffer if budget is not None else None
+        extra["kvtier_policy"] = spec.policy_name if budget is not None else None
         for key, field in STAT_FIELDS.items():
             extra[key] = (counters or {}).get(field, 0) if budget is not None else None
         num_preempted = extra["kvtier_preemptions"]
