@@ -17,6 +17,7 @@ import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -888,3 +889,31 @@ def test_compressed_requests_get_an_eviction_seed_the_learner_can_rederive_from(
     assert seeded_spec(off, SimpleNamespace(extra_args=None), "req-3", None) is None
     assert eviction_seed("req-1", 7) == eviction_seed("req-1", 7) != eviction_seed("req-2", 7)
     assert len({eviction_seed("req-1", None) for _ in range(8)}) > 1
+
+
+def test_chains_task_dataset_and_reward_for_verl(tmp_path):
+    """#24 item 1: the reasoner's task family as verl's dataset (train and held-out splits, no held-out
+    problem in the train split) and the graded reward; through the chat template a run passes, a prompt
+    has exactly the plain completion prompt's token ids."""
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    from kvtier.rollout.chains_task import PROMPT_ONLY, compute_score, write_dataset
+    from kvtier.tasks.chains import eval_problems
+
+    train, val = write_dataset(tmp_path, train=12, val=4, kinds=("local", "needle"))
+    tr, va = pd.read_parquet(train), pd.read_parquet(val)
+    assert len(tr) == 24 and len(va) == 8 and list(va["ability"][:2]) == ["chains-local", "chains-needle"]
+    held = {p.prompt for kind in ("local", "needle") for p in eval_problems(4, kind)}
+    assert {r[0]["content"] for r in va["prompt"]} == held and not held & {r[0]["content"] for r in tr["prompt"]}
+    first = eval_problems(1, "local")[0]
+    gold = va["reward_model"][0]["ground_truth"]
+    assert gold == first.answer
+    assert compute_score("kvtier_chains", first.trace, gold) == 1.0          # the gold trace earns the reward
+    assert compute_score("kvtier_chains", first.trace[:-1], gold) == 0.0     # a truncated box is no answer
+    assert compute_score("kvtier_chains", "\\boxed{99}" if gold != "99" else "\\boxed{98}", gold) == 0.0
+    assert compute_score("kvtier_chains", "no answer", gold) == 0.0
+    tok = AutoTokenizer.from_pretrained(str(Path(__file__).resolve().parents[1] / "src/kvtier/models/reasoner"))
+    templated = tok.apply_chat_template(list(va["prompt"][0]), chat_template=PROMPT_ONLY, add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    assert templated == tok(first.prompt)["input_ids"]

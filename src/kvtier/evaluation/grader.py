@@ -19,42 +19,8 @@ import re
 import threading
 from dataclasses import dataclass
 
-_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+from kvtier.tasks.boxed import extract_boxed_all, extract_final_boxed  # noqa: F401 - part of this API
 
-
-def extract_boxed_all(text: str) -> list[str]:
-    """Contents of every complete \\boxed{...} / \\fbox{...} / \\boxed X, in order of appearance."""
-    out: list[str] = []
-    for m in _BOX.finditer(text):
-        i = m.end()
-        while i < len(text) and text[i] in " \t":
-            i += 1
-        if i < len(text) and text[i] == "{":
-            depth, j = 0, i
-            while j < len(text):
-                ch = text[j]
-                if ch == "\\" and j + 1 < len(text) and text[j + 1] in "{}":
-                    j += 2                      # \{ and \} are literal braces, not groups
-                    continue
-                if ch == "{":
-                    depth += 1
-                elif ch == "}":
-                    depth -= 1
-                    if depth == 0:
-                        out.append(text[i + 1 : j].strip())
-                        break
-                j += 1
-            # an unbalanced box (truncated generation) is not an answer
-        elif i > m.end() and i < len(text):     # "\boxed 5": one token after whitespace
-            tok = re.match(r"[^\s$]+", text[i:])
-            if tok:
-                out.append(tok.group(0).rstrip(".,;"))
-    return out
-
-
-def extract_final_boxed(text: str) -> str | None:
-    boxes = extract_boxed_all(text)
-    return boxes[-1] if boxes else None
 
 
 _TEXT_CMDS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|textit|mbox|operatorname)\s*\{([^{}]*)\}")
