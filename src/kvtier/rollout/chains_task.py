@@ -20,7 +20,7 @@ from kvtier.tasks.boxed import extract_final_boxed
 from kvtier.tasks.chains import KINDS, TRAIN_SEED, ChainProblem, eval_problems, problems
 
 DATA_SOURCE = "kvtier_chains"
-PROMPT_ONLY = "{{ bos_token }}{{ messages[-1]['content'] }}"
+PROMPT_ONLY = "{{ bos_token }}{{ messages[-1].content }}"   # no quotes: it travels as a Hydra override
 RL_SEED = TRAIN_SEED + 24   # the train split's seed: not the supervised training's stream, not the eval's
 
 

@@ -47,6 +47,9 @@ def smoke(
     timeout: float = typer.Option(1800, help="Seconds before the trainer is stopped."),
     trainer: str = typer.Option("v1", help="v1: verl's default trainer (trainer.use_v1=true, TransferQueue, "
                                 "kvtier_sync mode); v0: its RayPPOTrainer (trainer.use_v1=false, DataProto)."),
+    task: str = typer.Option("toy", help="toy: a toy reward any model earns; chains: the reasoner's task and its "
+                             "graded reward (kvtier.rollout.chains_task; --model src/kvtier/models/reasoner, "
+                             "--response-length 1160)."),
 ) -> None:
     """Run verl's `main_ppo` (GRPO, hybrid engine, v1 or v0 trainer) on kvtier rollouts on CPU; one JSON line
     per step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
@@ -56,7 +59,7 @@ def smoke(
         raise typer.BadParameter(f"--trainer must be one of {', '.join(TRAINERS)}")
     result = run_smoke(steps=steps, model=model, workdir=workdir, batch_size=batch_size, n=n,
                        response_length=response_length, budget=budget, buffer=buffer, lr=lr,
-                       check_tokens=check_tokens, timeout=timeout, echo=typer.echo, trainer=trainer)
+                       check_tokens=check_tokens, timeout=timeout, echo=typer.echo, trainer=trainer, task=task)
     s = result["summary"]
     versions = s["weights_versions"]
     ok = (s["returncode"] == 0 and s["steps"] == steps

@@ -87,7 +87,8 @@ def write_dataset(directory: Path, n: int) -> tuple[Path, Path]:
 
 def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, batch_size: int, n: int,
               prompt_length: int, response_length: int, budget: int, buffer: int, kv_cache_mb: int, lr: float,
-              env_vars: dict[str, str], trainer: str = "v1") -> list[str]:
+              env_vars: dict[str, str], trainer: str = "v1", reward: Path | None = None) -> list[str]:
+    """verl's Hydra overrides; `reward`: the file with `compute_score` (default: this file's toy reward)."""
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     samples = batch_size * n
     out = [
@@ -99,7 +100,7 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         f"data.max_response_length={response_length}",
         "data.dataloader_num_workers=0",
         "data.filter_overlong_prompts=true",
-        f"reward.custom_reward_function.path={Path(__file__).resolve()}",
+        f"reward.custom_reward_function.path={(reward or Path(__file__)).resolve()}",
         "reward.custom_reward_function.name=compute_score",
         "reward.num_workers=1",
         # model / actor / ref on CPU: FSDP2 (FSDP1 takes an int CUDA device id), no flash-attn, no compile
@@ -217,7 +218,9 @@ def _read_jsonl(path: Path) -> list[dict]:
 def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None = None, batch_size: int = 4,
               n: int = 2, prompt_length: int = 64, response_length: int = 200, budget: int = 64, buffer: int = 16,
               kv_cache_mb: int = 64, lr: float = 1e-3, check_tokens: int = 16, timeout: float = 1800,
-              echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1") -> dict:
+              echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1", task: str = "toy") -> dict:
+    """task "toy": this file's prompts and reward (any model); "chains": the reasoner's task family and its
+    graded reward (`kvtier.rollout.chains_task`; the model must speak it, e.g. src/kvtier/models/reasoner)."""
     import tempfile
 
     if trainer not in TRAINERS:
@@ -226,13 +229,24 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     from kvtier.rollout.cpu.rl_smoke_hooks import CHECK_ENV, EVENTS_ENV
     from kvtier.rollout.verl_config import CONFIG_DIR, GRPO_CONFIG
 
-    model = model or str(ensure_tiny_model())
+    model = str(Path(model).resolve()) if model and Path(model).is_dir() else model or str(ensure_tiny_model())
+    # (absolute: verl's workers run elsewhere and read a relative path as a hub repo id)
     work = Path(workdir or tempfile.mkdtemp(prefix="kvtier-rl-smoke-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     metrics_path, events_path, log_path = work / "metrics.jsonl", work / "events.jsonl", work / "main_ppo.log"
     for p in (metrics_path, events_path):
         p.unlink(missing_ok=True)
-    train, val = write_dataset(work / "data", max(batch_size * (steps + 1), len(PROMPTS)))
+    reward, chat = None, []
+    if task == "chains":
+        from kvtier.rollout import chains_task
+
+        train, val = chains_task.write_dataset(work / "data", train=batch_size * (steps + 1), val=2)
+        reward = Path(chains_task.__file__)
+        chat = [f"+data.apply_chat_template_kwargs.chat_template='{chains_task.PROMPT_ONLY}'"]
+    elif task == "toy":
+        train, val = write_dataset(work / "data", max(batch_size * (steps + 1), len(PROMPTS)))
+    else:
+        raise ValueError(f"task must be toy or chains, not {task!r}")
     env_vars = {
         "VERL_PLATFORM": "cpu",
         "VERL_USE_EXTERNAL_MODULES": EXTERNAL_MODULES,
@@ -245,8 +259,9 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     }
     args = overrides(model=model, train=train, val=val, workdir=work, steps=steps, batch_size=batch_size, n=n,
                      prompt_length=prompt_length, response_length=response_length, budget=budget, buffer=buffer,
-                     kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()}, trainer=trainer)
-    args += list(extra_overrides or [])
+                     kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()}, trainer=trainer,
+                     reward=reward)
+    args += chat + list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIG_DIR}",
            f"--config-name={GRPO_CONFIG}", *args]
     (work / "command.txt").write_text(" ".join(cmd) + "\n")
