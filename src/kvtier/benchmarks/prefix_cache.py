@@ -107,7 +107,8 @@ def _ratios(r: dict) -> dict:
     def ratio(a, b, key="tok_per_s"):
         return r[a][key] / r[b][key] if a in r and b in r and r[b][key] else None
 
-    saved = {k: 1 - ratio(f"{k}+pc", k, "prompt_tokens_computed") for k in ("full", "k") if ratio(f"{k}+pc", k, "prompt_tokens_computed") is not None}
+    computed = {k: ratio(f"{k}+pc", k, "prompt_tokens_computed") for k in ("full", "k")}
+    saved = {k: 1 - v for k, v in computed.items() if v is not None}
     ratios = {"prompt_tokens_saved": saved, "k+pc_over_stock+pc": ratio("k+pc", "stock+pc"),
               "full+pc_over_stock+pc": ratio("full+pc", "stock+pc")}
     targets = {"prompt_tokens_saved_ge_0.85": all(v >= 0.85 for v in saved.values()) if saved else None,
