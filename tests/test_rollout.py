@@ -317,6 +317,38 @@ def test_agent_loop_batch_responses_logprobs_and_eviction_stats(rollout, replay)
         assert control > 0.3, "eviction did not change attention; the comparison proves nothing"
 
 
+def test_learner_replay_scores_the_agent_loop_batch_as_the_engine_did(rollout, replay):
+    """#24 item 3 on one batch: verl's conversion (DataProto -> no-padding TensorDict, as its trainer hands a
+    batch to the actor), the replay engine's death tensor (`learner_replay.micro_batch_deaths`, re-derived from
+    the returned seed) and one padded forward of the transformers model: every sampled token's log-prob equals
+    the rollout's (bf16 engine vs fp32: < 0.06); the dense learner's (no deaths) does not (> 0.3)."""
+    from verl.workers.utils.padding import build_attention_mask_from_nested, left_right_2_no_padding
+
+    from kvtier.rollout.cpu.local import chat_batch
+    from kvtier.rollout.learner_replay import micro_batch_deaths
+
+    out = rollout.generate_sequences(chat_batch(CHAT_PROMPTS))
+    td = left_right_2_no_padding(out.to_tensordict())
+    lengths = td["input_ids"].offsets().diff().tolist()
+    n, width = len(lengths), max(lengths)
+    deaths, counts = micro_batch_deaths(td, width, packed=False, num_layers=4, num_kv_heads=2)
+    assert counts["replayed"] == n
+    ids = torch.nested.to_padded_tensor(td["input_ids"], 0, output_size=(n, width))
+    mask = build_attention_mask_from_nested(input_ids=td["input_ids"], max_seq_len=width)
+    with torch.no_grad():
+        logp = {name: torch.log_softmax(replay.model(input_ids=ids, attention_mask=mask, **kw).logits.float(), -1)
+                for name, kw in (("replay", {"kvtier_deaths": deaths}), ("dense", {}))}
+    for i in range(n):
+        prompt, response = unpadded(out, i)
+        p, total = len(prompt), len(prompt) + len(response)
+        assert total == lengths[i]
+        eng = out.batch["rollout_log_probs"][i, : len(response)]
+        tok = ids[i, p:total].unsqueeze(1)
+        got = {k: v[i, p - 1 : total - 1].gather(1, tok).squeeze(1) for k, v in logp.items()}
+        assert (got["replay"] - eng).abs().max() < 0.06, f"sample {i}: replay learner vs rollout"
+        assert (got["dense"] - eng).abs().max() > 0.3, f"sample {i}: the dense learner agrees: no eviction?"
+
+
 def test_budget_at_least_length_matches_plain_vllm_token_for_token(rollout):
     """Through the server's verl `generate`: K >= length (no round can run) and full attention both give
     stock vLLM's greedy tokens; a sample shorter than K + r under the default budget is never evicted.

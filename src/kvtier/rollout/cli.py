@@ -50,6 +50,8 @@ def smoke(
     task: str = typer.Option("toy", help="toy: a toy reward any model earns; chains: the reasoner's task and its "
                              "graded reward (kvtier.rollout.chains_task; --model src/kvtier/models/reasoner, "
                              "--response-length 1160)."),
+    learner: str = typer.Option("dense", help="dense: the actor scores every token with the whole context; "
+                                "replay: under each sample's own eviction (kvtier.rollout.learner_replay)."),
 ) -> None:
     """Run verl's `main_ppo` (GRPO, hybrid engine, v1 or v0 trainer) on kvtier rollouts on CPU; one JSON line
     per step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
@@ -59,7 +61,8 @@ def smoke(
         raise typer.BadParameter(f"--trainer must be one of {', '.join(TRAINERS)}")
     result = run_smoke(steps=steps, model=model, workdir=workdir, batch_size=batch_size, n=n,
                        response_length=response_length, budget=budget, buffer=buffer, lr=lr,
-                       check_tokens=check_tokens, timeout=timeout, echo=typer.echo, trainer=trainer, task=task)
+                       check_tokens=check_tokens, timeout=timeout, echo=typer.echo, trainer=trainer, task=task,
+                       learner=learner)
     s = result["summary"]
     versions = s["weights_versions"]
     ok = (s["returncode"] == 0 and s["steps"] == steps

@@ -16,10 +16,14 @@ verl's agent loop (`AgentLoopWorker._postprocess`) turns every extra field into 
 | `kvtier_request_id` | vLLM's internal request id of the first call (the key of the audit log, if written) |
 | `kvtier_protect_prefix` | the prompt prefix the server protected in the first call (None: the whole prompt) |
 | `kvtier_seed`, `kvtier_buffer`, `kvtier_policy` | the first call's eviction seed (the server assigns one when the request has none), r and policy: for `random` the learner re-derives the sample's evictions from them (`kvtier.deathtime.simulate_deaths`) |
+| `kvtier_policy_params` | the first call's policy keyword arguments as sorted JSON (protect_prefix included; None if none) |
 | `kvtier_generate_calls` | generate calls counted (turns, plus resumed attempts of partial rollouts) |
 
 `eviction_metrics(batch)` reduces them to scalars (`rollout/kvtier/<column>/mean|max` over the compressed
-samples, `rollout/kvtier/generate_calls/mean|max` over all, and `rollout/kvtier/compressed_fraction`). How they reach the trainer's logged metrics (see
+samples, `rollout/kvtier/generate_calls/mean|max` over all, `rollout/kvtier/compressed_fraction`, and
+`rollout/kvtier/replay/<status>`: how many samples the learner replays and why the others go down the
+dense path, `kvtier.rollout.learner_replay.replay_status`). `mismatch_metrics` compares the learner's old
+log-probs with the rollout's per token (the v1 `kvtier_<mode>` trainers log it as `rollout/kvtier/mismatch/...`). How they reach the trainer's logged metrics (see
 `kvtier.rollout.trainer_hooks`): with `trainer.use_v1=false`, `KVTierAgentLoopManager` adds them to the
 generated batch's `meta_info["timing"]`, which verl's `RayPPOTrainer` merges into the step's timing and
 logs as `timing_s/rollout/kvtier/...` (as it does with its own `agent_loop/num_preempted/*`); with
@@ -36,6 +40,9 @@ taken in the agent-loop worker, not in verl's merges or the server.
 from __future__ import annotations
 
 import numpy as np
+
+from .learner_replay import FIELDS as REPLAY_FIELDS
+from .learner_replay import STATUSES, replay_status
 
 COLUMNS = ("kvtier_eviction_events", "kvtier_tokens_evicted", "kvtier_peak_kv_blocks", "kvtier_preemptions")
 CALLS = "kvtier_generate_calls"
@@ -63,7 +70,8 @@ def eviction_metrics(batch, prefix: str = "rollout/kvtier") -> dict[str, float]:
     if "kvtier_budget" not in nt:
         return {}
     n = len(nt["kvtier_budget"])
-    rows = [{key: (nt[key][i] if key in nt else None) for key in ("kvtier_budget", CALLS) + COLUMNS} for i in range(n)]
+    keys = dict.fromkeys(("kvtier_budget", CALLS) + COLUMNS + REPLAY_FIELDS)
+    rows = [{key: (nt[key][i] if key in nt else None) for key in keys} for i in range(n)]
     return eviction_metrics_from_fields(rows, prefix)
 
 
@@ -87,4 +95,31 @@ def eviction_metrics_from_fields(fields, prefix: str = "rollout/kvtier") -> dict
     if len(calls):
         out[f"{prefix}/generate_calls/mean"] = float(calls.mean())
         out[f"{prefix}/generate_calls/max"] = float(calls.max())
+    statuses = [replay_status(r) for r in rows]
+    for status in STATUSES:
+        out[f"{prefix}/replay/{status}"] = float(statuses.count(status))
     return out
+
+
+# Sparrow (arXiv 2606.08446): training stays stable while the lower tail of per-token learner/sampler ratios
+# stays above ~0.86; the mean hides it.
+TAIL_RATIO = 0.86
+
+
+def mismatch_metrics(old_log_probs, rollout_log_probs, response_mask,
+                     prefix: str = "rollout/kvtier/mismatch") -> dict[str, float]:
+    """Learner vs sampler over the response tokens ([B, T] tensors): per-token ratio = pi_learner / pi_rollout
+    = exp(old_log_prob - rollout_log_prob). `kl`: the k3 estimate of KL(rollout || learner) per token (>= 0);
+    `max_abs_log_ratio`; the ratio's `min`, 1st percentile `p01` and `share_below_0_86`."""
+    import torch
+
+    mask = response_mask.bool()
+    if not bool(mask.any()):
+        return {}
+    log_ratio = (old_log_probs.float() - rollout_log_probs.float())[mask]
+    ratio = log_ratio.exp()
+    return {f"{prefix}/kl": float((ratio - 1 - log_ratio).mean()),
+            f"{prefix}/max_abs_log_ratio": float(log_ratio.abs().max()),
+            f"{prefix}/token_ratio_min": float(ratio.min()),
+            f"{prefix}/token_ratio_p01": float(torch.quantile(ratio, 0.01)),
+            f"{prefix}/share_below_0_86": float((ratio < TAIL_RATIO).float().mean())}

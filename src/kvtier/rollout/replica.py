@@ -25,6 +25,7 @@ import ray
 import kvtier.rollout.verl_plugin  # noqa: F401
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
+from .learner_replay import check_learner_config
 from .server import KVTierServer
 from .settings import KVTierRolloutSettings
 
@@ -48,6 +49,7 @@ class KVTierReplica(RolloutReplica):
         super().__init__(replica_rank, config, model_config, gpus_per_node, is_reward_model, is_teacher_model,
                          name_suffix)
         self.settings = KVTierRolloutSettings.from_rollout_config(self.config)
+        check_learner_config(self.settings.learner, getattr(model_config, "model_type", None))
         self.server_class = ray.remote(KVTierServer)
 
     # -- initialisation -----------------------------------------------------------------------------

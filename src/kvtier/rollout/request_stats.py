@@ -72,6 +72,16 @@ def seeded_spec(settings: KVTierRolloutSettings, params, request_id: str, determ
     return spec
 
 
+def policy_params(spec) -> str | None:
+    """The compressed request's policy keyword arguments as sorted JSON (`kvtier_policy_params`; None if
+    none): with the seed, buffer and policy name, what rebuilds the policy the engine ran (protect_prefix
+    included)."""
+    import json
+
+    kw = spec.policy_kwargs()
+    return json.dumps(kw, sort_keys=True) if kw else None
+
+
 def eviction_seed(request_id: str, deterministic_seed: int | None) -> int:
     """The `kvtier_seed` a compressed request gets when it has none: what the learner re-derives a `random`
     sample's evictions from (`kvtier.deathtime.simulate_deaths`), so nothing but this integer travels. Fresh

@@ -52,7 +52,7 @@ from verl.workers.rollout.llm_server import LLMServerClient
 SUM_FIELDS = ("kvtier_eviction_events", "kvtier_tokens_evicted", "kvtier_preemptions")
 MAX_FIELDS = ("kvtier_peak_kv_blocks",)
 FIRST_FIELDS = ("kvtier_budget", "kvtier_request_id", "kvtier_protect_prefix", "kvtier_seed", "kvtier_buffer",
-                "kvtier_policy")
+                "kvtier_policy", "kvtier_policy_params")
 CALLS_FIELD = "kvtier_generate_calls"
 
 _CURRENT: contextvars.ContextVar["SampleCounters | None"] = contextvars.ContextVar("kvtier_sample_counters",

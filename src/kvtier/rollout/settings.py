@@ -22,6 +22,8 @@ custom:
                                # prompt: all (the paper's rule) | first_turn (multi-turn: the first turn;
                                # resumed partial rollout: the original prompt) | N (the first N tokens)
     val_budget: full           # validation generations: full (full attention) | K | train (same as training)
+    learner: dense             # dense | replay: the actor's log-probs under each sample's own eviction
+                               # (kvtier.rollout.learner_replay; needs model.model_type=kvtier_replay)
 engine_kwargs:
   kvtier: {}                   # extra vLLM engine arguments, like engine_kwargs.vllm for verl's vLLM backend
 ```
@@ -54,7 +56,8 @@ ENGINE_KWARGS_KEY = "kvtier"
 WORKER_EXTENSION = "kvtier.rollout.worker_ext.KVTierWorkerExtension"
 _SPEC_FIELDS = set(EvictionSpec.model_fields)
 _ENGINE_FIELDS = {"enabled", "admission", "audit_log", "query_window"}
-_ROLLOUT_FIELDS = {"kv_cache_bytes", "server_num_cpus", "protect", "val_budget"}
+_ROLLOUT_FIELDS = {"kv_cache_bytes", "server_num_cpus", "protect", "val_budget", "learner"}
+LEARNERS = ("dense", "replay")
 PROTECT_MODES = ("all", "first_turn")
 
 
@@ -92,6 +95,7 @@ class KVTierRolloutSettings:
     server_num_cpus: float | None = None
     protect: str | int = "all"          # all | first_turn | N
     val_budget: str | int = "full"      # full | train | K
+    learner: str = "dense"              # dense | replay (kvtier.rollout.learner_replay)
 
     def validation_request_args(self) -> dict:
         """kvtier_* sampling params for a validation generation ({} = the training default)."""
@@ -118,11 +122,20 @@ class KVTierRolloutSettings:
         ncpu = raw.get("server_num_cpus")
         return cls(eviction=eviction, kv_cache_bytes=int(kv) if kv is not None else None,
                    server_num_cpus=float(ncpu) if ncpu is not None else None,
-                   protect=_parse_protect(raw.get("protect")), val_budget=_parse_val_budget(raw.get("val_budget")))
+                   protect=_parse_protect(raw.get("protect")), val_budget=_parse_val_budget(raw.get("val_budget")),
+                   learner=_parse_learner(raw.get("learner")))
 
     @classmethod
     def from_rollout_config(cls, config) -> "KVTierRolloutSettings":
         return cls.from_custom(_get(config, "custom"))
+
+
+def _parse_learner(value) -> str:
+    learner = "dense" if value is None else str(value)
+    if learner not in LEARNERS:
+        raise EvictionConfigError(f"actor_rollout_ref.rollout.custom.kvtier.learner: expected one of {LEARNERS}, "
+                                  f"got {value!r}")
+    return learner
 
 
 def _get(obj, key, default=None):

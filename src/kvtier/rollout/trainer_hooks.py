@@ -32,12 +32,13 @@ import logging
 from typing import Any
 
 import ray
+import torch
 
 import kvtier.rollout.verl_plugin  # noqa: F401
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopWorker
 from verl.utils.ray_utils import auto_await
 
-from .metrics import eviction_metrics, eviction_metrics_from_fields
+from .metrics import eviction_metrics, eviction_metrics_from_fields, mismatch_metrics
 from .sample_counters import apply_totals, counting, counting_client
 from .settings import KVTierRolloutSettings
 
@@ -187,7 +188,21 @@ def v1_eviction_metrics(batch, kv_batch_get=None) -> dict[str, float]:
     data = kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
     fields = data["extra_fields"]
     fields = fields.tolist() if hasattr(fields, "tolist") else list(fields)
-    return eviction_metrics_from_fields([f for f, k in zip(fields, keep) if k])
+    out = eviction_metrics_from_fields([f for f, k in zip(fields, keep) if k])
+    try:                                   # learner vs sampler, once old log-probs exist (not in bypass mode)
+        lp = kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                          select_fields=["old_log_probs", "rollout_log_probs", "response_mask"])
+        old, rollout, mask = (_padded(lp[k]) for k in ("old_log_probs", "rollout_log_probs", "response_mask"))
+        rows = torch.tensor(keep, dtype=torch.bool)
+        out.update(mismatch_metrics(old[rows], rollout[rows], mask[rows]))
+    except Exception as exc:  # noqa: BLE001 - a field verl did not write this step (bypass mode, no log-probs)
+        logger.info("kvtier: no learner/rollout mismatch metrics this step: %s", exc)
+    return out
+
+
+def _padded(x):
+    """The TransferQueue keeps per-token fields as nested (jagged) tensors: right-padded with zeros."""
+    return x.to_padded_tensor(0.0) if getattr(x, "is_nested", False) else x
 
 
 def register_v1_trainers() -> list[str]:

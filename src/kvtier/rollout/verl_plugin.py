@@ -20,7 +20,9 @@ process that resolves the name. Ways to get it there (any one is enough):
 3. importing any of `kvtier.rollout.{replica,server,adapter}` — each imports this module first, so a
    process that unpickles one of kvtier's classes is registered too.
 
-`register()` is idempotent; the import runs it once.
+It also registers, with verl's `EngineRegistry`, the training engine of learner replay
+(`actor_rollout_ref.model.model_type=kvtier_replay`, `kvtier.rollout.learner_replay`) once verl's FSDP engine
+module is imported. `register()` is idempotent; the import runs it once.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def register(name: str = BACKEND_NAME) -> None:
 
     RolloutReplicaRegistry.register(name, _load_replica)
     base._ROLLOUT_REGISTRY[(name, "async")] = ADAPTER_FQDN
+    if name == BACKEND_NAME:   # the actor's `model_type=kvtier_replay` engine (kvtier.rollout.learner_replay)
+        from .learner_replay import install
+
+        install()
 
 
 def is_registered(name: str = BACKEND_NAME) -> bool:

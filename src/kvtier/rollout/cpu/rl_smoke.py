@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import toy_task
+
 EXTERNAL_MODULES = "kvtier.rollout.cpu.verl_platform,kvtier.rollout.verl_plugin,kvtier.rollout.cpu.rl_smoke_hooks"
 TRAINER_MODE = "kvtier_sync"
 TRAINERS = ("v1", "v0")
@@ -47,48 +49,15 @@ KVTIER_METRICS = "rollout/kvtier/"
 # verl's v0 RayPPOTrainer as step timing (`timing_s/<name>`, see kvtier.rollout.trainer_hooks)
 METRIC_PREFIX = {"v1": "", "v0": "timing_s/"}
 
-PROMPTS = [
-    "Let x = 42. What is x times seven? Think step by step before answering.",
-    "A train leaves at noon at sixty miles per hour; another leaves an hour later at eighty. When does the "
-    "second catch up?",
-    "Prove that the sum of two even numbers is even.",
-    "Count from one to ten and explain each step.",
-    "What is the capital of France? Explain how you know.",
-    "Write a short story about a robot that learns to paint.",
-    "List three prime numbers greater than twenty and justify each.",
-    "Explain why the sky is blue in simple words.",
-]
-
-
-# -- the reward (verl loads this file by path: reward.custom_reward_function.path) ------------------------
-def compute_score(data_source=None, solution_str: str = "", ground_truth=None, extra_info=None, **kwargs) -> float:
-    """A dense toy reward for a random model: the share of the letter 'e' in the response (GRPO needs
-    different rewards within a group; the tiny model's text is gibberish)."""
-    text = solution_str or ""
-    return 10.0 * text.count("e") / max(1, len(text))
-
-
-# -- the run ----------------------------------------------------------------------------------------------
-def write_dataset(directory: Path, n: int) -> tuple[Path, Path]:
-    import pandas as pd
-
-    rows = []
-    for i in range(n):
-        prompt = PROMPTS[i % len(PROMPTS)] + (f" (variant {i // len(PROMPTS)})" if i >= len(PROMPTS) else "")
-        rows.append({"data_source": "kvtier_smoke", "prompt": [{"role": "user", "content": prompt}],
-                     "ability": "toy", "reward_model": {"style": "rule", "ground_truth": "e"},
-                     "extra_info": {"index": i}})
-    directory.mkdir(parents=True, exist_ok=True)
-    train, val = directory / "train.parquet", directory / "val.parquet"
-    pd.DataFrame(rows).to_parquet(train)
-    pd.DataFrame(rows[:2]).to_parquet(val)
-    return train, val
-
-
 def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, batch_size: int, n: int,
-              prompt_length: int, response_length: int, budget: int, buffer: int, kv_cache_mb: int, lr: float,
-              env_vars: dict[str, str], trainer: str = "v1", reward: Path | None = None) -> list[str]:
-    """verl's Hydra overrides; `reward`: the file with `compute_score` (default: this file's toy reward)."""
+              prompt_length: int, response_length: int, budget: int | None, buffer: int, kv_cache_mb: int, lr: float,
+              env_vars: dict[str, str], trainer: str = "v1", reward: Path | None = None,
+              learner: str = "dense") -> list[str]:
+    """verl's Hydra overrides; `reward`: the file with `compute_score` (default: the toy task's reward);
+    `learner`: dense, or replay (the actor scores each sample under its own eviction,
+    kvtier.rollout.learner_replay)."""
+    from kvtier.deathtime import ATTN_NAME
+    from kvtier.rollout.learner_replay import MODEL_TYPE
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     samples = batch_size * n
     out = [
@@ -100,14 +69,15 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         f"data.max_response_length={response_length}",
         "data.dataloader_num_workers=0",
         "data.filter_overlong_prompts=true",
-        f"reward.custom_reward_function.path={(reward or Path(__file__)).resolve()}",
+        f"reward.custom_reward_function.path={(reward or Path(toy_task.__file__)).resolve()}",
         "reward.custom_reward_function.name=compute_score",
         "reward.num_workers=1",
         # model / actor / ref on CPU: FSDP2 (FSDP1 takes an int CUDA device id), no flash-attn, no compile
         f"actor_rollout_ref.model.path={model}",
         "actor_rollout_ref.model.use_remove_padding=false",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        f"+actor_rollout_ref.model.override_config.attn_implementation={ATTN_NAME if learner == 'replay' else 'sdpa'}",
+        *([f"+actor_rollout_ref.model.model_type={MODEL_TYPE}"] if learner == "replay" else []),
         f"{a}.strategy=fsdp2",
         "actor_rollout_ref.ref.strategy=fsdp2",
         f"{a}.use_torch_compile=false",
@@ -128,9 +98,10 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         f"{r}.max_num_batched_tokens={max(2048, prompt_length + response_length)}",
         f"{r}.agent.num_workers=1",
         f"{r}.checkpoint_engine.update_weights_bucket_megabytes=64",
-        f"{r}.custom.kvtier.budget={budget}",
+        f"{r}.custom.kvtier.budget={'null' if budget is None else budget}",   # null: full attention
         f"{r}.custom.kvtier.buffer={buffer}",
         f"{r}.custom.kvtier.kv_cache_bytes={kv_cache_mb << 20}",
+        f"{r}.custom.kvtier.learner={learner}",
         f"++{r}.agent.agent_loop_manager_class=kvtier.rollout.trainer_hooks.KVTierAgentLoopManager",
         # trainer: verl's default v1 trainer (sync mode with kvtier's eviction metrics) or v0's RayPPOTrainer
         "trainer.device=cpu",
@@ -181,6 +152,8 @@ def step_record(step: int, data: dict, events: list[dict], samples: int, trainer
     checks = [e for e in events if e.get("event") == "logprob_check" and e.get("global_steps") == step]
     mismatch = {k.removeprefix("rollout_corr/"): v for k, v in data.items()
                 if k.startswith("rollout_corr/") and any(s in k for s in ("kl", "ppl", "chi2"))}
+    learner = {k.removeprefix(kv + "mismatch/"): _float(v) for k, v in data.items() if k.startswith(kv + "mismatch/")}
+    replay = {k.removeprefix(kv + "replay/"): int(v) for k, v in data.items() if k.startswith(kv + "replay/")}
     staleness = data.get("training/off_policy/trajectory_staleness/max")
     return {
         "step": step,
@@ -192,6 +165,9 @@ def step_record(step: int, data: dict, events: list[dict], samples: int, trainer
         "rollout_is_mean": _float(data.get(IS_MEAN)),
         "rollout_is_max": _float(data.get("rollout_corr/rollout_is_max")),
         "mismatch": mismatch,
+        # learner (old log-probs) vs sampler (rollout log-probs) per token; how many samples were replayed
+        "learner_vs_rollout": learner,
+        "replay": replay,
         "weights_version": version,
         "rollout_weights_staleness": staleness,
         "sleeps": sum(e.get("event") == "sleep" for e in events),
@@ -200,7 +176,13 @@ def step_record(step: int, data: dict, events: list[dict], samples: int, trainer
                            if checks[-1].get(k) is not None} if checks else None),
         "actor_loss": _float(data.get("actor/pg_loss")),
         "reward_mean": _float(data.get("critic/score/mean")),
+        # GRPO learns only from groups whose rewards differ: 0 when every group's reward was constant
+        "advantage_abs_max": max((abs(v) for v in (_float(data.get("critic/advantages/max")),
+                                                  _float(data.get("critic/advantages/min"))) if v is not None),
+                                 default=None),
+        "preemptions_mean": _float(data.get(kv + "preemptions/mean")),
         "seconds": _float(data.get("timing_s/step")),
+        "rollout_seconds": _float(data.get("timing_s/gen")),
     }
 
 
@@ -216,9 +198,10 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None = None, batch_size: int = 4,
-              n: int = 2, prompt_length: int = 64, response_length: int = 200, budget: int = 64, buffer: int = 16,
+              n: int = 2, prompt_length: int = 64, response_length: int = 200, budget: int | None = 64, buffer: int = 16,
               kv_cache_mb: int = 64, lr: float = 1e-3, check_tokens: int = 16, timeout: float = 1800,
-              echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1", task: str = "toy") -> dict:
+              echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1", task: str = "toy",
+              learner: str = "dense") -> dict:
     """task "toy": this file's prompts and reward (any model); "chains": the reasoner's task family and its
     graded reward (`kvtier.rollout.chains_task`; the model must speak it, e.g. src/kvtier/models/reasoner)."""
     import tempfile
@@ -244,7 +227,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
         reward = Path(chains_task.__file__)
         chat = [f"+data.apply_chat_template_kwargs.chat_template='{chains_task.PROMPT_ONLY}'"]
     elif task == "toy":
-        train, val = write_dataset(work / "data", max(batch_size * (steps + 1), len(PROMPTS)))
+        train, val = toy_task.write_dataset(work / "data", max(batch_size * (steps + 1), len(toy_task.PROMPTS)))
     else:
         raise ValueError(f"task must be toy or chains, not {task!r}")
     env_vars = {
@@ -260,7 +243,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     args = overrides(model=model, train=train, val=val, workdir=work, steps=steps, batch_size=batch_size, n=n,
                      prompt_length=prompt_length, response_length=response_length, budget=budget, buffer=buffer,
                      kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()}, trainer=trainer,
-                     reward=reward)
+                     reward=reward, learner=learner)
     args += chat + list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIG_DIR}",
            f"--config-name={GRPO_CONFIG}", *args]
@@ -303,6 +286,8 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     checks = [e for e in events if e.get("event") == "logprob_check"]
     summary = {
         "trainer": trainer,
+        "task": task,
+        "learner": learner,
         "steps": len(records),
         "eviction_events": sum(r["eviction_events"] or 0 for r in records),
         "weights_versions": [e.get("global_steps") for e in syncs],

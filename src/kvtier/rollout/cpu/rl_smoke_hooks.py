@@ -28,7 +28,7 @@ import os
 import time
 from typing import Any
 
-from .import_hooks import when_imported
+from kvtier.rollout.import_hooks import when_imported
 
 logger = logging.getLogger("kvtier.rollout")
 

@@ -199,7 +199,7 @@ def _unpinned_offload_policy(base: type) -> type:
 
 def install() -> None:
     """Apply the patches: to modules already imported now, to the others right after their import."""
-    from .import_hooks import when_imported
+    from kvtier.rollout.import_hooks import when_imported
 
     if _INSTALLED:
         return

@@ -1,6 +1,7 @@
 """Run a function right after a module is imported (`when_imported`), without importing it early.
 
-kvtier's verl plugins (`kvtier.rollout.cpu.verl_platform`, `kvtier.rollout.cpu.rl_smoke_hooks`) are imported by verl's
+kvtier's verl plugins (`kvtier.rollout.verl_plugin`: the learner-replay engine; on CPU
+`kvtier.rollout.cpu.verl_platform`, `kvtier.rollout.cpu.rl_smoke_hooks`) are imported by verl's
 `__init__` in every process (`VERL_USE_EXTERNAL_MODULES`), before most of verl is loaded. Patching a verl
 module then would mean importing it early (heavy, and for some modules too early: they read the platform at
 import time); patching it when it is imported is exact: no caller can copy an unpatched name first.

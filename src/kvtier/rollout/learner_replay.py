@@ -1,0 +1,246 @@
+"""Learner replay: verl's FSDP actor computes its log-probs under each rollout sample's own eviction.
+
+The engine that sampled a token had evicted part of the cache; a dense learner scores it with every key in
+view, so sampler and learner disagree (the mismatch Sparse-RL and Sparrow correct with rejection and
+reweighting). With replay the learner attends exactly as the sampler did: key j is visible to query i iff
+j <= i < deaths[layer, head, j] (`kvtier.deathtime`), so old and new log-probs are those of the policy under
+the cache it is served with, and the rollout's log-probs agree with the learner's up to numerics.
+
+**The record** travels as four integers per sample (`kvtier_seed`, `kvtier_budget`, `kvtier_buffer`,
+`kvtier_policy` + `kvtier_policy_params`, the server's per-sample fields): `random`'s evictions are a function
+of the request's keyed draw and schedule, so the learner re-derives the [layers, kv_heads, length] death
+tensor (`kvtier.deathtime.simulate_deaths`, equal to the engine's audit log: tests/test_rollout.py) instead
+of receiving ~37 MB per sample at Qwen3-4B shapes and 32k tokens. A sample the learner cannot replay goes
+down the dense path and is counted (`replay_status`): full attention, a cache rebuilt mid-generation
+(`rebuilt`: a preemption's recompute), several generate calls (`multi_call`: each turn drew its own
+evictions), a policy that reads the cache (`policy`), or no kvtier per-sample fields (`no_record`: the
+agent-loop manager is not kvtier's).
+
+**Where it hooks in** (no verl file changed): verl's `EngineRegistry` builds the actor's (and the
+reference's) training engine by `actor_rollout_ref.model.model_type`; `register_engine` adds
+`model_type=kvtier_replay` for the FSDP/FSDP2 backends, a subclass of verl's `FSDPEngineWithLMHead` whose
+`prepare_model_inputs` adds the batch's death tensor as the `kvtier_deaths` forward kwarg, which transformers
+hands to the attention function registered as `kvtier_deathtime` (`model.override_config.attn_implementation`).
+Padded batches (`use_remove_padding=false`) and packed ones (`true`: each sample's keys die at its segment's
+end, so no sample sees another's) are both handled; Ulysses sequence parallelism is refused by name.
+
+A GPU user sets, next to `rollout.name=kvtier`:
+
+    actor_rollout_ref.rollout.custom.kvtier.learner=replay
+    +actor_rollout_ref.model.model_type=kvtier_replay
+    +actor_rollout_ref.model.override_config.attn_implementation=kvtier_deathtime
+    actor_rollout_ref.rollout.agent.agent_loop_manager_class=kvtier.rollout.trainer_hooks.KVTierAgentLoopManager
+
+and the replica refuses a `learner` that disagrees with `model_type` (`check_learner_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import lru_cache
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger("kvtier.rollout")
+
+MODEL_TYPE = "kvtier_replay"
+BASE_MODEL_TYPE = "language_model"
+REPLAYABLE_POLICIES = ("random",)       # policies whose records are re-derived (and tested equal to the engine's)
+STATUSES = ("replayed", "full", "rebuilt", "multi_call", "policy", "no_record")
+FIELDS = ("kvtier_budget", "kvtier_seed", "kvtier_buffer", "kvtier_policy", "kvtier_policy_params",
+          "kvtier_preemptions", "kvtier_generate_calls")
+
+
+class ReplayConfigError(ValueError):
+    """A setting the learner replay has not been built for; the message names it."""
+
+
+def check_learner_config(learner: str, model_type: str | None) -> None:
+    """The rollout's `learner` and the actor's `model_type` must say the same thing (raises otherwise)."""
+    replay_engine = model_type == MODEL_TYPE
+    if (learner == "replay") != replay_engine:
+        raise ReplayConfigError(
+            f"actor_rollout_ref.rollout.custom.kvtier.learner={learner} but actor_rollout_ref.model.model_type="
+            f"{model_type}: learner replay needs model_type={MODEL_TYPE} (the engine that replays), and that "
+            f"engine needs learner=replay")
+
+
+def replay_status(fields: Mapping[str, Any]) -> str:
+    """How the learner scores one sample, from its per-sample fields (one of STATUSES)."""
+    if fields.get("kvtier_budget") is None:
+        return "full"
+    if fields.get("kvtier_seed") is None or fields.get("kvtier_generate_calls") is None:
+        return "no_record"
+    if int(fields.get("kvtier_preemptions") or 0) > 0:
+        return "rebuilt"
+    if int(fields["kvtier_generate_calls"]) > 1:
+        return "multi_call"
+    if fields.get("kvtier_policy") not in REPLAYABLE_POLICIES:
+        return "policy"
+    return "replayed"
+
+
+def sample_deaths(fields: Mapping[str, Any], prompt_len: int, length: int, num_layers: int,
+                  num_kv_heads: int) -> Tensor | None:
+    """[layers, kv_heads, length] int32 death times of a replayed sample; None for the dense path."""
+    if replay_status(fields) != "replayed":
+        return None
+    return _simulated(str(fields["kvtier_policy"]), fields.get("kvtier_policy_params") or "{}",
+                      int(fields["kvtier_budget"]), int(fields["kvtier_buffer"]), int(fields["kvtier_seed"]),
+                      int(prompt_len), int(length), int(num_layers), int(num_kv_heads))
+
+
+@lru_cache(maxsize=256)   # old log-probs, then every PPO epoch's forward: one simulation per sample
+def _simulated(policy: str, params: str, budget: int, buffer: int, seed: int, prompt_len: int, length: int,
+               num_layers: int, num_kv_heads: int) -> Tensor:
+    from kvtier.deathtime import simulate_deaths
+    from kvtier.policies import EvictionSchedule, make_policy
+
+    return simulate_deaths(make_policy(policy, **json.loads(params)), EvictionSchedule(budget, buffer), prompt_len,
+                           length, num_layers=num_layers, num_kv_heads=num_kv_heads, seed=seed)
+
+
+def batch_fields(micro_batch) -> list[dict[str, Any]]:
+    """Each sample's kvtier fields from a verl micro-batch: the v1 trainer's `extra_fields` column (one dict per
+    sample) or the v0 trainer's one column per key (DataProto's non-tensor batch)."""
+    keys = set(micro_batch.keys())
+    n = micro_batch.batch_size[0]
+    if "extra_fields" in keys:
+        col = _as_list(micro_batch["extra_fields"])
+        return [{k: (row or {}).get(k) for k in FIELDS} for row in col]
+    cols = {k: _as_list(micro_batch[k]) for k in FIELDS if k in keys}
+    return [{k: cols[k][b] if k in cols else None for k in FIELDS} for b in range(n)]
+
+
+def _as_list(value) -> list:
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return list(value)
+
+
+def prompt_lengths(micro_batch) -> list[int]:
+    """Each sample's prompt length: the v1 trainer keeps `prompts` as a nested (jagged) tensor; the v0
+    trainer's batch has the left-padded prompt's ones in `attention_mask` before the response columns."""
+    keys = set(micro_batch.keys())
+    if "prompts" in keys and micro_batch["prompts"].is_nested:
+        return micro_batch["prompts"].offsets().diff().tolist()
+    if "attention_mask" in keys and "response_mask" in keys and not micro_batch["attention_mask"].is_nested:
+        attn, resp = micro_batch["attention_mask"], micro_batch["response_mask"]
+        responses = int(micro_batch.get_non_tensor("max_response_len")) if resp.is_nested else resp.shape[-1]
+        return [int(x) for x in attn[:, : attn.shape[-1] - responses].sum(-1).tolist()]
+    raise ValueError(f"kvtier learner replay: no prompt lengths in the micro-batch (keys: {sorted(keys)})")
+
+
+def micro_batch_deaths(micro_batch, width: int, *, packed: bool, num_layers: int,
+                       num_kv_heads: int) -> tuple[Tensor | None, dict[str, int]]:
+    """The death tensor for one forward of verl's engine, and how many samples took each path.
+
+    padded (use_remove_padding=false): [B, layers, kv_heads, width], sample b in columns 0..len_b-1;
+    packed (true): [1, layers, kv_heads, width], sample b at its cu_seqlens offset and every key dead at its
+    segment's end. None when no sample is replayed (the layer runs plain SDPA)."""
+    from kvtier.deathtime import NEVER
+
+    fields = batch_fields(micro_batch)
+    offsets = micro_batch["input_ids"].offsets().tolist()
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    prompts = prompt_lengths(micro_batch)
+    counts = dict.fromkeys(STATUSES, 0)
+    records = []
+    for f, p, n in zip(fields, prompts, lengths):
+        counts[replay_status(f)] += 1
+        records.append(sample_deaths(f, p, n, num_layers, num_kv_heads))
+    if all(r is None for r in records):
+        return None, counts
+    rows = 1 if packed else len(records)
+    out = torch.full((rows, num_layers, num_kv_heads, width), NEVER, dtype=torch.int32)
+    for b, rec in enumerate(records):
+        start = offsets[b] if packed else 0
+        end = start + lengths[b]
+        row = 0 if packed else b
+        if rec is None:
+            rec = torch.full((num_layers, num_kv_heads, lengths[b]), NEVER, dtype=torch.int32)
+        shifted = torch.where(rec == NEVER, rec, rec + start)
+        out[row, :, :, start:end] = shifted.clamp(max=end) if packed else shifted
+    return out, counts
+
+
+def check_engine_config(model_config, engine_config) -> None:
+    """Refuse, naming the setting, what the replay engine has not been built for."""
+    from kvtier.deathtime import ATTN_NAME
+
+    attn = (getattr(model_config, "override_config", None) or {}).get("attn_implementation")
+    if attn != ATTN_NAME:
+        raise ReplayConfigError(f"model_type={MODEL_TYPE} needs +actor_rollout_ref.model.override_config."
+                                f"attn_implementation={ATTN_NAME} (got {attn!r}): the attention that reads the "
+                                "death times")
+    sp = int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
+    if sp > 1:
+        raise ReplayConfigError(f"model_type={MODEL_TYPE}: actor_rollout_ref.actor.ulysses_sequence_parallel_size="
+                                f"{sp} is not supported (the death tensor is not split across sequence shards); "
+                                "set it to 1")
+
+
+def replay_engine_class(base: type) -> type:
+    """verl's `FSDPEngineWithLMHead` (`base`) computing its forwards under each sample's recorded eviction."""
+
+    class KVTierReplayEngine(base):
+        def __init__(self, model_config, engine_config, *args, **kwargs):
+            from kvtier.deathtime import register
+
+            check_engine_config(model_config, engine_config)
+            register()
+            # the registry has picked this class by model_type; verl builds the module by the base name
+            model_config.model_type = BASE_MODEL_TYPE
+            super().__init__(model_config, engine_config, *args, **kwargs)
+            self.replay_counts = dict.fromkeys(STATUSES, 0)
+
+        def prepare_model_inputs(self, micro_batch):
+            from kvtier.deathtime.attention import DEATHS_KWARG
+
+            model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+            hf = self.model_config.hf_config
+            ids = model_inputs["input_ids"]
+            deaths, counts = micro_batch_deaths(
+                micro_batch, ids.shape[-1], packed=model_inputs.get("attention_mask") is None,
+                num_layers=hf.num_hidden_layers,
+                num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+            if not any(self.replay_counts.values()):     # one line: replay is on, and what it found
+                logger.warning("kvtier learner replay: first micro-batch (%s, %d columns): %s", "packed" if
+                               model_inputs.get("attention_mask") is None else "padded", ids.shape[-1],
+                               {k: v for k, v in counts.items() if v})
+            for k, v in counts.items():
+                self.replay_counts[k] += v
+            if deaths is not None:
+                model_inputs[DEATHS_KWARG] = deaths.to(ids.device)
+            return model_inputs, output_args
+
+    KVTierReplayEngine.__qualname__ = KVTierReplayEngine.__name__
+    return KVTierReplayEngine
+
+
+def register_engine(module) -> None:
+    """Register `model_type=kvtier_replay` with verl's EngineRegistry for every device verl's own FSDP engine
+    is registered for (`module`: verl.workers.engine.fsdp.transformer_impl, right after its import)."""
+    from kvtier.deathtime import register
+    from verl.workers.engine.base import EngineRegistry
+
+    register()
+    if _REGISTERED:
+        return
+    cls = replay_engine_class(module.FSDPEngineWithLMHead)
+    EngineRegistry.register(model_type=MODEL_TYPE, backend=["fsdp", "fsdp2"], device=["cuda", "npu", "cpu"])(cls)
+    _REGISTERED.append(cls)
+
+
+_REGISTERED: list[type] = []
+
+
+def install() -> None:
+    """Register the engine when verl's FSDP engine module is imported (now, if it already is)."""
+    from .import_hooks import when_imported
+
+    when_imported("verl.workers.engine.fsdp.transformer_impl", register_engine,
+                  ready=lambda m: hasattr(m, "FSDPEngineWithValueHead"))

@@ -1,0 +1,165 @@
+"""Learner replay (kvtier.rollout.learner_replay) without the trainer: which samples are replayed, the death
+tensor of a verl micro-batch (padded and packed), a packed forward equal to each sample alone, the settings
+that must agree, and the learner-vs-sampler tail metrics. The 2-step GRPO run with replay is in
+tests/test_rl_trainer.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from kvtier.deathtime import ATTN_NAME, NEVER, register, simulate_deaths
+from kvtier.policies import EvictionSchedule, make_policy
+from kvtier.rollout.learner_replay import (MODEL_TYPE, ReplayConfigError, check_engine_config, check_learner_config,
+                                           micro_batch_deaths, replay_status, sample_deaths)
+from kvtier.rollout.metrics import eviction_metrics_from_fields, mismatch_metrics
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+REPLAYED = {"kvtier_budget": 24, "kvtier_seed": 9, "kvtier_buffer": 8, "kvtier_policy": "random",
+            "kvtier_policy_params": None, "kvtier_preemptions": 0, "kvtier_generate_calls": 1}
+
+
+@pytest.mark.parametrize("change, status", [
+    ({}, "replayed"),
+    ({"kvtier_budget": None}, "full"),
+    ({"kvtier_preemptions": 1}, "rebuilt"),
+    ({"kvtier_generate_calls": 2}, "multi_call"),
+    ({"kvtier_policy": "snapkv"}, "policy"),
+    ({"kvtier_generate_calls": None}, "no_record"),      # not kvtier's agent-loop manager: calls unknown
+    ({"kvtier_seed": None}, "no_record"),
+])
+def test_replay_status(change, status):
+    assert replay_status({**REPLAYED, **change}) == status
+
+
+def test_policy_params_rebuild_the_engines_policy():
+    """protect_prefix travels in kvtier_policy_params: the re-derived record protects only that prefix."""
+    whole = sample_deaths(REPLAYED, 20, 150, 4, 2)
+    prefix = sample_deaths({**REPLAYED, "kvtier_policy_params": '{"protect_prefix": 4}'}, 20, 150, 4, 2)
+    assert torch.equal(whole, simulate_deaths(make_policy("random"), EvictionSchedule(24, 8), 20, 150,
+                                              num_layers=4, num_kv_heads=2, seed=9))
+    assert (whole[..., :20] == NEVER).all() and (prefix[..., :4] == NEVER).all()
+    assert (prefix[..., 4:20] != NEVER).any()
+
+
+def _micro_batch(samples: list[tuple[int, int]], fields: list[dict], *, v1: bool) -> TensorDict:
+    """verl's no-padding micro-batch: nested input_ids; left-padded prompt / right-padded response masks."""
+    P, R = max(p for p, _ in samples), max(r for _, r in samples)
+    attn = torch.zeros(len(samples), P + R, dtype=torch.long)
+    resp = torch.zeros(len(samples), R, dtype=torch.long)
+    for b, (p, r) in enumerate(samples):
+        attn[b, P - p : P + r] = 1
+        resp[b, :r] = 1
+    ids = torch.nested.nested_tensor([torch.arange(10, 10 + p + r) for p, r in samples], layout=torch.jagged)
+    td = TensorDict({"input_ids": ids}, batch_size=[len(samples)])
+    if v1:   # verl's v1 trainer: nested prompts, one extra_fields dict per sample (a NonTensorStack)
+        td["prompts"] = torch.nested.nested_tensor([torch.arange(p) for p, _ in samples], layout=torch.jagged)
+        td["extra_fields"] = fields
+    else:    # v0: left-right padded masks, one column per key
+        td["attention_mask"], td["response_mask"] = attn, resp
+        for key in REPLAYED:
+            td[key] = [f.get(key) for f in fields]
+    return td
+
+
+@pytest.mark.parametrize("v1", [True, False])
+def test_micro_batch_deaths_padded_and_packed(v1):
+    samples = [(20, 130), (12, 60), (16, 40)]
+    fields = [REPLAYED, {**REPLAYED, "kvtier_budget": None}, {**REPLAYED, "kvtier_seed": 3}]
+    mb = _micro_batch(samples, fields, v1=v1)
+    own = [sample_deaths(f, p, p + r, 4, 2) for f, (p, r) in zip(fields, samples)]
+    assert own[1] is None
+    padded, counts = micro_batch_deaths(mb, 150, packed=False, num_layers=4, num_kv_heads=2)
+    assert counts == {"replayed": 2, "full": 1, "rebuilt": 0, "multi_call": 0, "policy": 0, "no_record": 0}
+    assert padded.shape == (3, 4, 2, 150)
+    assert torch.equal(padded[0], own[0]) and (padded[1] == NEVER).all()
+    assert torch.equal(padded[2, ..., :56], own[2]) and (padded[2, ..., 56:] == NEVER).all()
+    packed, _ = micro_batch_deaths(mb, 150 + 72 + 56 + 5, packed=True, num_layers=4, num_kv_heads=2)
+    assert packed.shape == (1, 4, 2, 283)
+    # sample 0 at 0..149, sample 1 at 150..221, sample 2 at 222..277; every key dies at its segment's end
+    assert torch.equal(packed[0, ..., :150], own[0].clamp(max=150))
+    assert (packed[0, ..., 150:222] == 222).all()
+    d2 = own[2]
+    assert torch.equal(packed[0, ..., 222:278], torch.where(d2 == NEVER, torch.tensor(278), d2 + 222).to(torch.int32))
+    assert (packed[0, ..., 278:] == NEVER).all()             # verl's static pad at the end
+
+
+def test_no_replayed_sample_gives_no_deaths():
+    mb = _micro_batch([(10, 20)], [{**REPLAYED, "kvtier_budget": None}], v1=True)
+    deaths, counts = micro_batch_deaths(mb, 30, packed=False, num_layers=4, num_kv_heads=2)
+    assert deaths is None and counts["full"] == 1
+
+
+def test_packed_forward_equals_each_sample_alone(tiny_model_dir):
+    """One packed row (use_remove_padding=true: no attention mask, positions restart per sample) under the
+    micro-batch's deaths gives each sample's logits of its own forward under its own deaths."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                 attn_implementation=ATTN_NAME).eval()
+    samples = [(20, 130), (12, 60)]
+    fields = [REPLAYED, {**REPLAYED, "kvtier_seed": 4}]
+    mb = _micro_batch(samples, fields, v1=True)
+    ids = mb["input_ids"].values().unsqueeze(0)
+    pos = torch.cat([torch.arange(p + r) for p, r in samples]).unsqueeze(0)
+    deaths, _ = micro_batch_deaths(mb, ids.shape[-1], packed=True, num_layers=4, num_kv_heads=2)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos, kvtier_deaths=deaths).logits[0]
+        start = 0
+        for f, (p, r) in zip(fields, samples):
+            alone_ids = ids[:, start : start + p + r]
+            alone = model(input_ids=alone_ids, kvtier_deaths=sample_deaths(f, p, p + r, 4, 2).unsqueeze(0)).logits[0]
+            assert torch.allclose(packed[start : start + p + r], alone, atol=1e-4)
+            dense = model(input_ids=alone_ids).logits[0]
+            assert (dense - alone).abs().max() > 0.1          # the eviction changed attention: the check has power
+            start += p + r
+
+
+def test_learner_and_engine_settings_must_agree():
+    check_learner_config("replay", MODEL_TYPE)
+    check_learner_config("dense", "language_model")
+    with pytest.raises(ReplayConfigError, match="model_type"):
+        check_learner_config("replay", "language_model")
+    with pytest.raises(ReplayConfigError, match="learner=dense"):
+        check_learner_config("dense", MODEL_TYPE)
+    from types import SimpleNamespace
+
+    with pytest.raises(ReplayConfigError, match="override_config.attn_implementation=kvtier_deathtime"):
+        check_engine_config(SimpleNamespace(override_config={"attn_implementation": "sdpa"}),
+                            SimpleNamespace(ulysses_sequence_parallel_size=1))
+    with pytest.raises(ReplayConfigError, match="ulysses_sequence_parallel_size"):
+        check_engine_config(SimpleNamespace(override_config={"attn_implementation": ATTN_NAME}),
+                            SimpleNamespace(ulysses_sequence_parallel_size=2))
+
+
+def test_rollout_settings_parse_learner():
+    from kvtier.engine.config import EvictionConfigError
+    from kvtier.rollout.settings import KVTierRolloutSettings
+
+    assert KVTierRolloutSettings.from_custom({"kvtier": {"learner": "replay"}}).learner == "replay"
+    assert KVTierRolloutSettings.from_custom({"kvtier": {}}).learner == "dense"
+    with pytest.raises(EvictionConfigError, match="custom.kvtier.learner"):
+        KVTierRolloutSettings.from_custom({"kvtier": {"learner": "exact"}})
+
+
+def test_mismatch_metrics_by_hand():
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.4, 0.9]]))
+    rollout = torch.log(torch.tensor([[0.5, 0.25, 0.5, 0.1]]))
+    mask = torch.tensor([[1, 1, 1, 0]])
+    m = mismatch_metrics(old, rollout, mask, prefix="m")
+    ratios = torch.tensor([1.0, 2.0, 0.8])                    # the masked token (ratio 9) is left out
+    assert m["m/token_ratio_min"] == pytest.approx(0.8)
+    assert m["m/share_below_0_86"] == pytest.approx(1 / 3)
+    assert m["m/max_abs_log_ratio"] == pytest.approx(float(torch.log(torch.tensor(2.0))))
+    assert m["m/kl"] == pytest.approx(float((ratios - 1 - ratios.log()).mean()), rel=1e-5)
+    assert m["m/token_ratio_p01"] == pytest.approx(float(torch.quantile(ratios, 0.01)))
+
+
+def test_eviction_metrics_count_replay_statuses():
+    rows = [REPLAYED, {**REPLAYED, "kvtier_preemptions": 2}, {**REPLAYED, "kvtier_budget": None}]
+    m = eviction_metrics_from_fields(rows)
+    assert (m["rollout/kvtier/replay/replayed"], m["rollout/kvtier/replay/rebuilt"],
+            m["rollout/kvtier/replay/full"]) == (1, 1, 1)
