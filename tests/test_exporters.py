@@ -125,3 +125,21 @@ def test_rollout_exporter_records_each_sample_under_catalog_names():
     assert c[names["ray_kvtier_rollout_generation_tokens_total"]] == [("inc", 160, {})]
     assert c[names["ray_kvtier_rollout_response_length_tokens"]] == [("observe", 160, {}), ("observe", 0, {})]
     assert c[names["ray_kvtier_rollout_evictions_per_sample"]] == [("observe", 5, {})]
+
+
+def test_learner_exporter_sends_the_steps_tail_and_scored_samples():
+    """The v1 trainers' per-step learner metrics (`rollout/kvtier/mismatch/*`, `replay/*`) as catalog gauges
+    and counters, labelled with the learner."""
+    from kvtier.observability.exporters import LearnerMetricsExporter
+    from kvtier.rollout.trainer_hooks import export_learner_metrics
+
+    fake = FakeMetrics()
+    exp = LearnerMetricsExporter("replay", metrics_module=lambda: fake)
+    export_learner_metrics(exp, {"rollout/kvtier/mismatch/token_ratio_p01": 0.99, "rollout/kvtier/mismatch/kl": 1e-6,
+                                 "rollout/kvtier/replay/replayed": 16.0, "rollout/kvtier/replay/rebuilt": 0.0,
+                                 "rollout/kvtier/eviction_events/mean": 3.0})
+    c = fake.calls
+    assert c[by_name("ray_kvtier_rl_learner_mismatch").ray_name] == [
+        ("set", 0.99, {"stat": "token_ratio_p01", "learner": "replay"}), ("set", 1e-6, {"stat": "kl", "learner": "replay"})]
+    assert c[by_name("ray_kvtier_rl_samples_scored_total").ray_name] == [("inc", 16.0, {"path": "replayed"})]
+

@@ -37,6 +37,7 @@ VLLM = "vLLM via Ray Serve LLM"
 ENGINE = "kvtier engine deployment"
 ROUTER = "kvtier router"
 ROLLOUT = "kvtier rollout server"
+TRAINER = "kvtier verl trainer"
 SERVE = "Ray Serve"
 
 RAY_LABELS = ("WorkerId", "Component", "NodeAddress", "SessionName", "Version", "JobId", "ip", "pid")
@@ -50,7 +51,7 @@ class Metric:
     type: MetricType
     labels: tuple[str, ...]     # the metric's own labels (without `le`, Ray's tags and target labels)
     help: str
-    exporter: str               # VLLM, ENGINE, ROUTER, ROLLOUT or SERVE
+    exporter: str               # VLLM, ENGINE, ROUTER, ROLLOUT, TRAINER or SERVE
     unit: str = ""              # seconds, tokens, blocks, requests, ratio, ms, replicas ...
     source: str = ""            # the name the exporter registers (vLLM's own name for vLLM metrics)
 
@@ -159,6 +160,14 @@ METRICS: tuple[Metric, ...] = (
     Metric("ray_kvtier_rollout_evictions_per_sample", "histogram", (),
            "Eviction rounds applied to each rollout sample that ran with a budget (samples without one are "
            "not observed).", ROLLOUT, "events"),
+    # -- RL learner (the v1 `kvtier_<mode>` trainers, once per step) -------------------------------------
+    Metric("ray_kvtier_rl_learner_mismatch", "gauge", ("stat", "learner"),
+           "The last training step's learner-vs-sampler comparison over response tokens, per-token ratio = "
+           "pi_learner / pi_rollout: stat token_ratio_p01 | token_ratio_min | share_below_0_86 | kl | "
+           "max_abs_log_ratio; learner dense | replay (rollout.custom.kvtier.learner).", TRAINER, "ratio"),
+    Metric("ray_kvtier_rl_samples_scored_total", "counter", ("path",),
+           "Training samples by how the learner scored them: replayed under their own eviction, or densely "
+           "and why (full, rebuilt, multi_call, policy, no_record).", TRAINER, "samples"),
     # -- Ray Serve's own -----------------------------------------------------------------------------
     Metric("ray_serve_deployment_replica_healthy", "gauge", ("deployment", "application", "replica"),
            "Healthy replicas per deployment (per replica 1/0 when Serve's high-cardinality tags are on; sum "

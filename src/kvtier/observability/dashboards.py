@@ -162,7 +162,7 @@ def operations() -> dm.Dashboard:
 
 
 def rollout() -> dm.Dashboard:
-    """RL rollout: tok/s, response lengths, evictions per sample."""
+    """RL rollout: tok/s, response lengths, evictions per sample, the learner-vs-sampler tail."""
     pid = PanelIds()
     d = base_dashboard("kvtier-rollout", "kvtier / RL rollout",
               "RL rollouts on the compressed engine: generation throughput, response lengths and evictions per "
@@ -193,6 +193,24 @@ def rollout() -> dm.Dashboard:
         "short"))
     d = d.with_panel(heatmap_panel(pid(), "Evictions per sample distribution", "Samples per eviction-count bucket.",
                               e, "short"))
+    d = d.with_row(db.Row("Learner vs sampler").id(pid()))
+    lm = metric("ray_kvtier_rl_learner_mismatch")
+    d = d.with_panel(timeseries_panel(
+        pid(), "Per-token ratio tail (pi_learner / pi_rollout)", "The last training step's per-token ratio over "
+        "response tokens: 1st percentile and minimum. Training on compressed rollouts stays stable while the "
+        "lower tail stays above ~0.86 (Sparrow); learner replay keeps it at 1 up to numerics.",
+        [(f'{lm}{{stat="token_ratio_p01"}}', "p01 {{learner}}"), (f'{lm}{{stat="token_ratio_min"}}', "min {{learner}}")],
+        "short", min_val=None))
+    d = d.with_panel(timeseries_panel(
+        pid(), "Share of tokens below 0.86, KL", "Share of response tokens whose ratio is below 0.86, and the k3 "
+        "KL(rollout || learner) per token, of the last training step.",
+        [(f'{lm}{{stat="share_below_0_86"}}', "share < 0.86 {{learner}}"), (f'{lm}{{stat="kl"}}', "KL {{learner}}")],
+        "short"))
+    d = d.with_panel(timeseries_panel(
+        pid(), "Samples scored, by path", "Training samples per second the learner replayed under their own "
+        "eviction, or scored densely and why (full attention, rebuilt cache, several calls, a policy that reads "
+        "the cache, no record).", [(rate("ray_kvtier_rl_samples_scored_total", by="path"), "{{path}}")],
+        "short", w=24, stack=True))
     return d.build()
 
 

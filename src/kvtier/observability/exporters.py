@@ -104,3 +104,23 @@ class RolloutMetricsExporter:
         self.length.observe(response_tokens)
         if eviction_events is not None:
             self.evictions.observe(eviction_events)
+
+
+class LearnerMetricsExporter:
+    """Per training step, in the trainer's process: the learner-vs-sampler tail (`mismatch_metrics`) and the
+    samples the learner replayed or scored densely (`replay_status`)."""
+
+    def __init__(self, learner: str, metrics_module: Callable[[], Any] = _ray_metrics) -> None:
+        m = metrics_module()
+        self.learner = learner
+        self.mismatch = catalog_metric(m, "ray_kvtier_rl_learner_mismatch")
+        self.scored = catalog_metric(m, "ray_kvtier_rl_samples_scored_total")
+
+    def step(self, mismatch: dict[str, float], scored: dict[str, float]) -> None:
+        """mismatch: {stat: value} (the `rollout/kvtier/mismatch/` names without the prefix); scored:
+        {path: samples this step}."""
+        for stat, value in mismatch.items():
+            self.mismatch.set(value, tags={"stat": stat, "learner": self.learner})
+        for path, count in scored.items():
+            if count:
+                self.scored.inc(count, tags={"path": path})

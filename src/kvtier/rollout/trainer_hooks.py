@@ -173,9 +173,35 @@ class KVTierMetricsMixin:
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
         try:
-            metrics.update(v1_eviction_metrics(batch))
+            kv = v1_eviction_metrics(batch)
+            metrics.update(kv)
         except Exception as exc:  # noqa: BLE001 - metrics must never fail a training step
             logger.warning("kvtier: eviction metrics unavailable this step: %s", exc)
+            return
+        try:                      # the same numbers on the rollout dashboard (Ray metrics, scraped)
+            if not hasattr(self, "_kvtier_learner_exporter"):
+                self._kvtier_learner_exporter = learner_exporter(getattr(self, "config", None))
+            export_learner_metrics(self._kvtier_learner_exporter, kv)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("kvtier: learner metrics not exported: %s", exc)
+
+
+def learner_exporter(config):
+    """The trainer process's `LearnerMetricsExporter`, labelled with `rollout.custom.kvtier.learner`."""
+    from kvtier.observability.exporters import LearnerMetricsExporter
+
+    learner = "dense"
+    if config is not None:
+        learner = KVTierRolloutSettings.from_rollout_config(config.actor_rollout_ref.rollout).learner
+    return LearnerMetricsExporter(learner)
+
+
+def export_learner_metrics(exporter, metrics: dict[str, float], prefix: str = "rollout/kvtier") -> None:
+    """Send one step's `mismatch/*` and `replay/*` entries of the logged metrics to the exporter."""
+    mismatch = {k.removeprefix(f"{prefix}/mismatch/"): v for k, v in metrics.items()
+                if k.startswith(f"{prefix}/mismatch/")}
+    scored = {k.removeprefix(f"{prefix}/replay/"): v for k, v in metrics.items() if k.startswith(f"{prefix}/replay/")}
+    exporter.step(mismatch, scored)
 
 
 def v1_eviction_metrics(batch, kv_batch_get=None) -> dict[str, float]:
