@@ -178,6 +178,40 @@ def bench_rollout(
         raise typer.Exit(2)
 
 
+@bench_app.command("rl")
+def bench_rl(
+    steps: int = typer.Option(12, help="GRPO steps per arm."),
+    arms: str = typer.Option("full,dense,replay", help="full (no eviction), dense (eviction at K, learner sees "
+                             "everything, token TIS), replay (eviction at K, learner under each sample's eviction)."),
+    budget: int = typer.Option(256, help="K of the compressed arms."),
+    buffer: int = typer.Option(32),
+    batch_size: int = typer.Option(4, "--batch-size", help="Prompts per step."),
+    n: int = typer.Option(4, help="GRPO group size."),
+    lr: float = typer.Option(1e-5),
+    kv_cache_mb: int = typer.Option(24, "--kv-cache-mb", help="KV pool per arm (equal memory)."),
+    heldout: int = typer.Option(32, help="Held-out local-chain problems per evaluation."),
+    rejection: Optional[str] = typer.Option(None, help="verl rollout_rs for the dense arm, OPTION:THRESHOLD "
+                                            "(e.g. seq_max_k2:0.5)."),
+    model: Optional[str] = typer.Option(None, help="Start checkpoint (default: the shipped reasoner)."),
+    workdir: Path = typer.Option(Path("artifacts/bench-rl"), help="Runs, checkpoints and evaluations."),
+    out: Optional[Path] = typer.Option(None, help="Also write the JSON here."),
+    plot: Optional[str] = typer.Option(None, help="Write the PNG here."),
+) -> None:
+    """GRPO through verl's trainer from one checkpoint per arm: reward and held-out accuracy (evicted and
+    full) vs step and wall-clock, rollout seconds, learner/sampler ratio tails (src/kvtier/benchmarks/rl.py)."""
+    from kvtier.benchmarks.rl import RLBenchShape, run_rl_bench
+    from kvtier.models.reasoner import reasoner_dir
+
+    shape = RLBenchShape(steps=steps, batch_size=batch_size, n=n, budget=budget, buffer=buffer, lr=lr,
+                         kv_cache_mb=kv_cache_mb, heldout=heldout, rejection=rejection)
+    report = run_rl_bench(str(Path(model or reasoner_dir()).resolve()), shape, arms.split(","), workdir.resolve(),
+                          plot, echo=typer.echo)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+    _print_json(report)
+
+
 @bench_app.command("capacity")
 def bench_capacity(
     budget: int = typer.Option(256),

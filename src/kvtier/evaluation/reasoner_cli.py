@@ -24,6 +24,7 @@ def register(eval_app: typer.Typer) -> None:
         runs: Optional[int] = typer.Option(None, help="R paired seeds per problem (default 2; quick 1)."),
         policies: Optional[str] = typer.Option(None, help="Comma-separated (default random,snapkv,rkv,h2o,streaming)."),
         budgets: Optional[str] = typer.Option(None, help="Comma-separated K (default 128,256,512)."),
+        kinds: Optional[str] = typer.Option(None, help="Comma-separated task kinds (default local,needle)."),
         buffer: int = typer.Option(32, help="r: recent buffer and round cadence."),
         temperature: float = typer.Option(0.0, help="0: greedy (the R paired seeds drive random's draws)."),
         seed: int = typer.Option(0),
@@ -41,6 +42,8 @@ def register(eval_app: typer.Typer) -> None:
             kw["policies"] = tuple(_csv(policies))
         if budgets:
             kw["budgets"] = tuple(int(b) for b in _csv(budgets))
+        if kinds:
+            kw["kinds"] = tuple(_csv(kinds))
         cfg = ReasonerEvalConfig(buffer=buffer, temperature=temperature, seed=seed, threads=threads,
                                  model=model or "", **kw)
         result = run_reasoner_eval(cfg, out)

@@ -1,0 +1,64 @@
+"""The plot of `kvtier bench rl`: reward vs step and vs wall-clock, held-out accuracy at the start and end of
+each arm (under eviction at K and at full attention, 95% CI), and the learner/sampler ratio's lower tail."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from pathlib import Path
+
+COLORS = {"full": "tab:gray", "dense": "tab:red", "replay": "tab:blue"}
+
+
+def plot_rl(report: dict, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(11, 8))
+    for name, arm in report["arms"].items():
+        steps = arm["steps"]
+        c = COLORS.get(name)
+        xs = [s["step"] for s in steps]
+        reward = [s["reward_mean"] for s in steps]
+        clock = [v / 60 for v in accumulate(s["seconds"] or 0.0 for s in steps)]
+        ax[0, 0].plot(xs, reward, "o-", color=c, label=name)
+        ax[0, 1].plot(clock, reward, "o-", color=c, label=name)
+        ax[1, 1].plot(xs, [s["token_ratio_p01"] for s in steps], "o-", color=c, label=f"{name} p01")
+        ax[1, 1].plot(xs, [s["token_ratio_min"] for s in steps], "x--", color=c, alpha=0.6, label=f"{name} min")
+    ax[0, 0].set(xlabel="GRPO step", ylabel="mean reward (graded)", title="reward vs step")
+    ax[0, 1].set(xlabel="wall-clock (min)", ylabel="mean reward", title="reward vs wall-clock")
+    ax[1, 1].axhline(0.86, color="k", lw=0.8, ls=":")
+    ax[1, 1].set(xlabel="GRPO step", ylabel="pi_learner / pi_rollout", yscale="log",
+                 title="per-token ratio: 1st percentile and min")
+    _heldout(ax[1, 0], report)
+    for a in ax.flat:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(f"GRPO on kvtier rollouts, random K={report['budget']} (CPU, reasoner, local chains)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _heldout(ax, report: dict) -> None:
+    arms = list(report["arms"])
+    start = next(iter(report["arms"].values()))["heldout"]["start"] if arms else {}
+    bars = [("start", start)] + [(a, report["arms"][a]["heldout"]["end"]) for a in arms]
+    for i, (label, res) in enumerate(bars):
+        for j, (cond, hatch) in enumerate((("evicted", ""), ("full", "//"))):
+            cell = res.get(cond)
+            if not cell:
+                continue
+            lo, hi = cell["ci"]
+            x = i + (j - 0.5) * 0.38
+            ax.bar(x, cell["accuracy"], 0.36, color=COLORS.get(label, "tab:green"), hatch=hatch, alpha=0.8,
+                   label=f"{cond}" if i == 0 else None)
+            ax.errorbar(x, cell["accuracy"], yerr=[[cell["accuracy"] - lo], [hi - cell["accuracy"]]], color="k",
+                        capsize=3)
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars])
+    ax.set(ylim=(0, 1.05), ylabel="held-out accuracy (greedy)",
+           title=f"held-out local chains: random K={report['budget']} (plain) / full (hatched)")
