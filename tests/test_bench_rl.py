@@ -1,0 +1,69 @@
+"""`kvtier bench rl` without running it (each arm is a verl training run; the runs are in results/): the arms'
+settings, the report's ratios and the plot from a report of the committed shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.benchmarks.rl import RLBenchShape, arm_overrides, ratios, step_row
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def test_arms_differ_only_in_budget_learner_and_rejection():
+    shape = RLBenchShape(steps=5, budget=256)
+    full, dense, replay = (arm_overrides(a, shape) for a in ("full", "dense", "replay"))
+    assert (full[0], full[1]) == (None, "dense")
+    assert (dense[0], dense[1]) == (256, "dense") and (replay[0], replay[1]) == (256, "replay")
+    save = ["trainer.save_freq=5", "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"]
+    assert full[2] == dense[2] == replay[2] == save
+    rs = arm_overrides("dense", RLBenchShape(steps=5, rejection="seq_max_k2:0.5"))[2]
+    assert rs[2:] == ["algorithm.rollout_correction.rollout_rs=seq_max_k2",
+                      "algorithm.rollout_correction.rollout_rs_threshold=0.5"]
+    with pytest.raises(ValueError, match="arm must be one of"):
+        arm_overrides("sparse", shape)
+
+
+def _report() -> dict:
+    def rec(step, reward, rollout, p01):
+        return step_row({"step": step, "reward_mean": reward, "seconds": 60.0, "rollout_seconds": rollout,
+                         "learner_vs_rollout": {"token_ratio_min": p01 / 2, "token_ratio_p01": p01,
+                                                "share_below_0_86": 0.0, "kl": 1e-4, "max_abs_log_ratio": 0.2}})
+
+    held = {"start": {"evicted": {"accuracy": 0.2, "ci": [0.1, 0.3]}, "full": {"accuracy": 1.0, "ci": [1.0, 1.0]}}}
+    held["end"] = held["start"]
+    return {"budget": 256, "arms": {
+        "full": {"steps": [rec(1, 1.0, 30.0, 1.0), rec(2, 1.0, 30.0, 1.0)], "heldout": held},
+        "dense": {"steps": [rec(1, 0.2, 15.0, 0.5), rec(2, 0.3, 15.0, 0.6)], "heldout": held},
+        "replay": {"steps": [rec(1, 0.2, 12.0, 1.0), rec(2, 0.4, 12.0, 1.0)], "heldout": held}}}
+
+
+def test_ratios_are_full_over_compressed_rollout_seconds():
+    assert ratios(_report()) == {"dense_rollout_speedup_vs_full": 2.0, "replay_rollout_speedup_vs_full": 2.5}
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvtier.benchmarks.rl_plot import plot_rl
+
+    out = plot_rl(_report(), tmp_path / "rl.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_committed_result_has_the_issue_shape():
+    """results/rl-cpu-*.json: every arm's steps carry the issue's fields; held-out start/end, evicted and full."""
+    files = sorted(RESULTS.glob("rl-cpu-*.json"))
+    if not files:
+        pytest.skip("no committed kvtier bench rl result")
+    report = json.loads(files[-1].read_text())
+    assert set(report["arms"]) == {"full", "dense", "replay"} and report["budget"] > 0
+    for arm in report["arms"].values():
+        for s in arm["steps"]:
+            assert {"step", "reward_mean", "seconds", "rollout_seconds", "token_ratio_min", "token_ratio_p01",
+                    "share_below_0_86"} <= set(s)
+        for when in ("start", "end"):
+            assert {"evicted", "full"} <= set(arm["heldout"][when])
+        assert set(arm["logprob_agreement"]) == {"kl", "max_abs_log_ratio"}
