@@ -27,6 +27,24 @@ def first_round_row(records, prompt_len):
     return min(r["query_position"] for r in rounds) + 1 - prompt_len + 1 if rounds else None
 
 
+REFERENCE_TOL = 0.06   # bf16 engine vs the fp32 masked reference
+CONTROL_MIN = 0.3      # without the masks the same tokens must score this differently somewhere
+
+
+def assert_matches_masked_reference(replay, out, records, buffer, *, prompt_len=None, control=True, what=""):
+    """The engine's sampled-token log-probs equal the masked reference's (transformers under the logged
+    keep-sets, `kvtier.reference.MaskedReplay`) within REFERENCE_TOL. control: and without the masks they
+    differ by more than CONTROL_MIN after the first round, so the comparison has power."""
+    plen = len(out.prompt_token_ids) if prompt_len is None else prompt_len
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    eng = engine_logprobs(out)
+    err = (eng - replay.logprobs(ids, plen, records, buffer)).abs()
+    assert err.max() < REFERENCE_TOL, f"{what}max |engine - masked reference| = {err.max():.4f}"
+    if control:
+        dense = (eng - replay.logprobs(ids, plen, [], buffer)).abs()[first_round_row(records, plen):]
+        assert dense.max() > CONTROL_MIN, "eviction did not change attention; the comparison proves nothing"
+
+
 def greedy(max_tokens, logprobs=None, **kvtier):
     """Greedy SamplingParams with ignore_eos and the request's kvtier_* parameters."""
     from vllm import SamplingParams

@@ -1,13 +1,15 @@
 """`kvtier rl smoke` (command in kvtier.rollout.cli): verl 0.9.1's own trainer, unmodified, running GRPO on kvtier rollouts on CPU.
 
 Runs `python -m verl.trainer.main_ppo --config-name kvtier_grpo` (src/kvtier/configs/rollout/kvtier_grpo.yaml)
-in a subprocess, on the tiny model, in verl's default setup: the v1 trainer (`trainer.use_v1=true`,
+in a subprocess, on the tiny model with a toy reward (`--task chains`: the reasoner's graded task), in verl's
+default setup: the v1 trainer (`trainer.use_v1=true`,
 TransferQueue), sync mode, hybrid engine (actor + rollout in one worker group: `LLMServerManager` calls
 `KVTierReplica.init_hybrid`), naive weight sync from the FSDP actor to the kvtier vLLM engine every step,
 the rollout put to sleep and woken every step. What kvtier adds, all through verl's extension points:
 
 * `kvtier.rollout.cpu.verl_platform` — verl's `cpu` platform (FSDP2 over gloo; see its doc for each patch);
-* `kvtier.rollout.verl_plugin` — `rollout.name=kvtier`;
+* `kvtier.rollout.verl_plugin` — `rollout.name=kvtier`, and the learner-replay engine (`--learner replay`:
+  `model_type=kvtier_replay`, the `kvtier_deathtime` attention, `rollout.custom.kvtier.learner=replay`);
 * `kvtier.rollout.cpu.rl_smoke_hooks` — records sleeps, wake-ups and weight syncs, checks the engine's log-probs
   against transformers on the synced weights, registers the `kvtier_sync` trainer (eviction metrics);
 * `trainer.v1.trainer_mode=kvtier_sync` + `rollout.agent.agent_loop_manager_class=KVTierAgentLoopManager`
