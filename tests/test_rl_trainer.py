@@ -181,7 +181,7 @@ def test_v0_trainer_logs_eviction_and_rollout_correction_metrics(smoke_v0):
 
 def test_replay_learner_agrees_with_the_rollout_on_the_graded_task(smoke_replay):
     """#24 items 3, 4 and 7: with learner replay every sample is scored under its own eviction; the learner's
-    old log-probs equal the rollout's to bf16 noise (the dense learner's KL on this task is ~0.1-0.16); the
+    old log-probs equal the rollout's to bf16 noise (far from the dense learner's mismatch on this task); the
     tail metrics are logged; losses finite; some group's rewards differ."""
     steps, summary = smoke_replay["steps"], smoke_replay["summary"]
     assert summary["learner"] == "replay" and summary["task"] == "chains" and summary["steps"] == REPLAY_STEPS
@@ -191,8 +191,11 @@ def test_replay_learner_agrees_with_the_rollout_on_the_graded_task(smoke_replay)
         tails = s["learner_vs_rollout"]
         assert set(tails) == {"kl", "max_abs_log_ratio", "token_ratio_min", "token_ratio_p01",
                               "share_below_0_86"}, tails
-        assert tails["kl"] < 1e-3 and tails["max_abs_log_ratio"] < 0.5, tails
-        assert tails["token_ratio_p01"] > 0.95 and tails["share_below_0_86"] < 0.01, tails
+        # bf16 engine vs fp32 learner: kl ~1e-5, max |log ratio| up to ~0.5, p01 ~0.997, share < 0.86 ~5e-4
+        # (results/rl-cpu-2026-12-02.json's replay arm); its dense arm: kl 0.09-0.17, max |log ratio| 18-23,
+        # p01 1e-4-0.12, share < 0.86 1.3-2.6%
+        assert tails["kl"] < 1e-3 and tails["max_abs_log_ratio"] < 2.0, tails
+        assert tails["token_ratio_p01"] > 0.95 and tails["share_below_0_86"] < 0.005, tails
         assert abs(s["mismatch"]["kl"]) < 1e-3, s["mismatch"]          # verl's own rollout-vs-old KL
         assert s["eviction_events"] > 0 and s["actor_loss"] is not None and math.isfinite(s["actor_loss"]), s
         assert 0.0 <= s["reward_mean"] <= 1.0
