@@ -498,6 +498,21 @@ def test_rollout_dashboard_reads_the_samples_from_a_live_prometheus(rollout):
                 f"sum({lengths}_sum)": ray_histogram_sum(lens, RESPONSE_LENGTH_BOUNDARIES),
                 f"sum({evictions}_count)": n, f"sum({evictions}_sum)": ray_histogram_sum(per_sample, EVICTIONS_BOUNDARIES)}
     wait_deltas(prom, before, expected)
+    # the "Learner vs sampler" row: what a v1 kvtier_<mode> trainer exports once per step (no trainer runs
+    # here); a class defined in the test is shipped to the actor by value
+    class LearnerStep:
+        def step(self):
+            from kvtier.observability.exporters import LearnerMetricsExporter
+            from kvtier.rollout.trainer_hooks import export_learner_metrics
+
+            self.exporter = LearnerMetricsExporter("replay")
+            export_learner_metrics(self.exporter, {
+                "rollout/kvtier/mismatch/kl": 1e-5, "rollout/kvtier/mismatch/max_abs_log_ratio": 0.2,
+                "rollout/kvtier/mismatch/token_ratio_min": 0.8, "rollout/kvtier/mismatch/token_ratio_p01": 0.997,
+                "rollout/kvtier/mismatch/share_below_0_86": 1e-4, "rollout/kvtier/replay/replayed": 8.0})
+
+    trainer = ray.remote(num_cpus=0)(LearnerStep).remote()
+    ray.get(trainer.step.remote())
     queries = dashboards.panel_queries(dashboards.to_dict(dashboards.rollout()))
     assert len(queries) >= 10
     assert not (empty := empty_panel_queries(prom, queries)), empty
@@ -841,7 +856,8 @@ def test_sample_counters_add_up_every_call_of_a_resumed_partial_rollout():
                                          "kvtier_protect_prefix": None, "kvtier_eviction_events": events,
                                          "kvtier_tokens_evicted": evicted, "kvtier_peak_kv_blocks": peak,
                                          "kvtier_preemptions": preempted, "kvtier_seed": len(rid),
-                                         "kvtier_buffer": 16, "kvtier_policy": "random"})
+                                         "kvtier_buffer": 16, "kvtier_policy": "random",
+                                         "kvtier_policy_params": '{"protect_prefix": %d}' % len(rid)})
 
     calls = []
 
@@ -885,7 +901,8 @@ def test_sample_counters_add_up_every_call_of_a_resumed_partial_rollout():
     assert totals == applied == {"kvtier_budget": 64, "kvtier_request_id": "x-1", "kvtier_protect_prefix": None,
                                  "kvtier_eviction_events": 5, "kvtier_tokens_evicted": 110,
                                  "kvtier_peak_kv_blocks": 5, "kvtier_preemptions": 1, "kvtier_generate_calls": 2,
-                                 "kvtier_seed": 3, "kvtier_buffer": 16, "kvtier_policy": "random"}   # the first call's
+                                 "kvtier_seed": 3, "kvtier_buffer": 16, "kvtier_policy": "random",
+                                 "kvtier_policy_params": '{"protect_prefix": 3}'}   # the first call's
     assert agent_output.extra_fields["kvtier_eviction_events"] == 5 and agent_output.extra_fields["global_steps"] == 1
     # full attention (counters None) stays None; a call rejected at the admission gate (no kvtier fields) and
     # calls outside a trajectory are not counted
