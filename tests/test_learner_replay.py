@@ -163,3 +163,15 @@ def test_eviction_metrics_count_replay_statuses():
     m = eviction_metrics_from_fields(rows)
     assert (m["rollout/kvtier/replay/replayed"], m["rollout/kvtier/replay/rebuilt"],
             m["rollout/kvtier/replay/full"]) == (1, 1, 1)
+
+
+def test_smoke_step_record_reads_the_learner_entries_of_both_trainers():
+    """`kvtier rl smoke`'s per-step record: the mismatch and replay entries under each trainer's prefix
+    (v1: rollout/kvtier/..., v0: timing_s/rollout/kvtier/...), and nothing from the other's."""
+    from kvtier.rollout.cpu.rl_smoke import step_record
+
+    data = {"timing_s/rollout/kvtier/replay/replayed": 8.0, "timing_s/rollout/kvtier/mismatch/kl": 1e-5,
+            "rollout/kvtier/replay/full": 3.0, "rollout/kvtier/mismatch/token_ratio_p01": 0.5}
+    v0, v1 = step_record(1, data, [], 8, "v0"), step_record(1, data, [], 8, "v1")
+    assert (v0["replay"], v0["learner_vs_rollout"]) == ({"replayed": 8}, {"kl": 1e-5})
+    assert (v1["replay"], v1["learner_vs_rollout"]) == ({"full": 3}, {"token_ratio_p01": 0.5})

@@ -195,7 +195,7 @@ def replay_engine_class(base: type) -> type:
             # the registry has picked this class by model_type; verl builds the module by the base name
             model_config.model_type = BASE_MODEL_TYPE
             super().__init__(model_config, engine_config, *args, **kwargs)
-            self.replay_counts = dict.fromkeys(STATUSES, 0)
+            self._replay_logged = False
 
         def prepare_model_inputs(self, micro_batch):
             from kvtier.deathtime.attention import DEATHS_KWARG
@@ -207,12 +207,11 @@ def replay_engine_class(base: type) -> type:
                 micro_batch, ids.shape[-1], packed=model_inputs.get("attention_mask") is None,
                 num_layers=hf.num_hidden_layers,
                 num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
-            if not any(self.replay_counts.values()):     # one line: replay is on, and what it found
+            if not self._replay_logged:                  # one line: replay is on, and what it found
+                self._replay_logged = True
                 logger.warning("kvtier learner replay: first micro-batch (%s, %d columns): %s", "packed" if
                                model_inputs.get("attention_mask") is None else "padded", ids.shape[-1],
                                {k: v for k, v in counts.items() if v})
-            for k, v in counts.items():
-                self.replay_counts[k] += v
             if deaths is not None:
                 model_inputs[DEATHS_KWARG] = deaths.to(ids.device)
             return model_inputs, output_args

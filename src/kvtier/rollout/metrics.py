@@ -101,6 +101,15 @@ def eviction_metrics_from_fields(fields, prefix: str = "rollout/kvtier") -> dict
     return out
 
 
+def learner_entries(metrics: dict, prefix: str = "rollout/kvtier") -> tuple[dict, dict]:
+    """The `mismatch/*` and `replay/*` entries of a step's logged metrics, names without their prefix."""
+    def under(part: str) -> dict:
+        head = f"{prefix}/{part}/"
+        return {k.removeprefix(head): v for k, v in metrics.items() if k.startswith(head)}
+
+    return under("mismatch"), under("replay")
+
+
 # Sparrow (arXiv 2606.08446): training stays stable while the lower tail of per-token learner/sampler ratios
 # stays above ~0.86; the mean hides it.
 TAIL_RATIO = 0.86

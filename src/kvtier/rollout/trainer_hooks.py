@@ -38,7 +38,7 @@ import kvtier.rollout.verl_plugin  # noqa: F401
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopWorker
 from verl.utils.ray_utils import auto_await
 
-from .metrics import eviction_metrics, eviction_metrics_from_fields, mismatch_metrics
+from .metrics import eviction_metrics, eviction_metrics_from_fields, learner_entries, mismatch_metrics
 from .sample_counters import apply_totals, counting, counting_client
 from .settings import KVTierRolloutSettings
 
@@ -198,10 +198,7 @@ def learner_exporter(config):
 
 def export_learner_metrics(exporter, metrics: dict[str, float], prefix: str = "rollout/kvtier") -> None:
     """Send one step's `mismatch/*` and `replay/*` entries of the logged metrics to the exporter."""
-    mismatch = {k.removeprefix(f"{prefix}/mismatch/"): v for k, v in metrics.items()
-                if k.startswith(f"{prefix}/mismatch/")}
-    scored = {k.removeprefix(f"{prefix}/replay/"): v for k, v in metrics.items() if k.startswith(f"{prefix}/replay/")}
-    exporter.step(mismatch, scored)
+    exporter.step(*learner_entries(metrics, prefix))
 
 
 def v1_eviction_metrics(batch, kv_batch_get=None) -> dict[str, float]:

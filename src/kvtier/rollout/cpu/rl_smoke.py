@@ -154,8 +154,9 @@ def step_record(step: int, data: dict, events: list[dict], samples: int, trainer
     checks = [e for e in events if e.get("event") == "logprob_check" and e.get("global_steps") == step]
     mismatch = {k.removeprefix("rollout_corr/"): v for k, v in data.items()
                 if k.startswith("rollout_corr/") and any(s in k for s in ("kl", "ppl", "chi2"))}
-    learner = {k.removeprefix(kv + "mismatch/"): _float(v) for k, v in data.items() if k.startswith(kv + "mismatch/")}
-    replay = {k.removeprefix(kv + "replay/"): int(v) for k, v in data.items() if k.startswith(kv + "replay/")}
+    from kvtier.rollout.metrics import learner_entries
+
+    learner, replay = learner_entries(data, kv.rstrip("/"))
     staleness = data.get("training/off_policy/trajectory_staleness/max")
     return {
         "step": step,
@@ -168,8 +169,8 @@ def step_record(step: int, data: dict, events: list[dict], samples: int, trainer
         "rollout_is_max": _float(data.get("rollout_corr/rollout_is_max")),
         "mismatch": mismatch,
         # learner (old log-probs) vs sampler (rollout log-probs) per token; how many samples were replayed
-        "learner_vs_rollout": learner,
-        "replay": replay,
+        "learner_vs_rollout": {k: _float(v) for k, v in learner.items()},
+        "replay": {k: int(v) for k, v in replay.items()},
         "weights_version": version,
         "rollout_weights_staleness": staleness,
         "sleeps": sum(e.get("event") == "sleep" for e in events),
@@ -204,7 +205,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
               kv_cache_mb: int = 64, lr: float = 1e-3, check_tokens: int = 16, timeout: float = 1800,
               echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1", task: str = "toy",
               learner: str = "dense") -> dict:
-    """task "toy": this file's prompts and reward (any model); "chains": the reasoner's task family and its
+    """task "toy": `toy_task`'s prompts and reward (any model); "chains": the reasoner's task family and its
     graded reward (`kvtier.rollout.chains_task`; the model must speak it, e.g. src/kvtier/models/reasoner)."""
     import tempfile
 
