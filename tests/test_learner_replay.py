@@ -175,3 +175,22 @@ def test_smoke_step_record_reads_the_learner_entries_of_both_trainers():
     v0, v1 = step_record(1, data, [], 8, "v0"), step_record(1, data, [], 8, "v1")
     assert (v0["replay"], v0["learner_vs_rollout"]) == ({"replayed": 8}, {"kl": 1e-5})
     assert (v1["replay"], v1["learner_vs_rollout"]) == ({"full": 3}, {"token_ratio_p01": 0.5})
+
+
+def test_replica_checks_the_learner_against_the_actors_model_only():
+    """The actor's rollout replica refuses learner=replay without model_type=kvtier_replay; a reward-model or
+    teacher replica (its own model config, never trained here) does not."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from kvtier.rollout.replica import KVTierReplica
+
+    cfg = OmegaConf.create({"_target_": "verl.workers.config.RolloutConfig", "name": "kvtier",
+                            "custom": {"kvtier": {"learner": "replay", "budget": 64}}})
+    plain = SimpleNamespace(model_type="language_model")
+    for role in ({"is_reward_model": True}, {"is_teacher_model": True}):
+        assert KVTierReplica(0, cfg, plain, gpus_per_node=1, **role).settings.learner == "replay"
+    with pytest.raises(ReplayConfigError, match="model_type"):
+        KVTierReplica(0, cfg, plain, gpus_per_node=1)
+    assert KVTierReplica(0, cfg, SimpleNamespace(model_type=MODEL_TYPE), gpus_per_node=1).settings.learner == "replay"

@@ -49,7 +49,8 @@ class KVTierReplica(RolloutReplica):
         super().__init__(replica_rank, config, model_config, gpus_per_node, is_reward_model, is_teacher_model,
                          name_suffix)
         self.settings = KVTierRolloutSettings.from_rollout_config(self.config)
-        check_learner_config(self.settings.learner, getattr(model_config, "model_type", None))
+        if not (is_reward_model or is_teacher_model):   # only the actor's model config says how the learner scores
+            check_learner_config(self.settings.learner, getattr(model_config, "model_type", None))
         self.server_class = ray.remote(KVTierServer)
 
     # -- initialisation -----------------------------------------------------------------------------
