@@ -136,6 +136,7 @@ def test_direct_ingress_serves_the_port_from_the_router_and_stops_cleanly(tmp_pa
             assert stats["ttft_breakdown"]["full"]["engine"]["n"] == 1
         svc.proc.send_signal(signal.SIGTERM)
         assert svc.proc.wait(60) == 0, svc.log()[-3000:]
+        assert "did not shut down in time" not in svc.log(), svc.log()[-3000:]   # Serve drained within budget
         left = [_describe(p) for p in procs if _alive(p)]
         assert not left, f"left running after exit: {left}"
     finally:

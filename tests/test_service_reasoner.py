@@ -29,7 +29,7 @@ def test_reasoner_config_serves_recognisable_traces(tmp_path):
     problem = eval_problems(1, "local")[0]
     svc = ServeProcess(yaml.safe_load(CONFIG.read_text()), tmp_path, name="reasoner")
     try:
-        svc.wait_ready()
+        svc.wait_ready(line="Example request")   # printed after READY, once the task's prompt is built
         log = svc.log()
         assert "/v1/completions" in log and problem.prompt.strip() in log.replace("\\n", "\n"), log[-2000:]
         with httpx.Client(base_url=svc.url, timeout=300) as http:

@@ -41,6 +41,10 @@ def _direct_ingress_env(port: int) -> None:
     os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(port)
     os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(port + 1)
+    # Serve holds a stopping direct-ingress replica open >= 30 s by default so an external load balancer can
+    # deregister it; here the port is this process's own (local Ray, one router), so there is none to wait
+    # for, and 30 s would outlast stop()'s Serve budget (whose timeout path ends the process with exit 1)
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
 
 
 def _ray_init(cfg: ServiceConfig, port: int) -> bool:
