@@ -44,7 +44,7 @@ def test_bench_serve_stock_vs_kvtier(tmp_path):
     assert "ttft_breakdown_ms" not in arms["stock"]
     for name in ("full", "auto"):
         b = arms[name]["ttft_breakdown_ms"]
-        assert set(b) == {"route", "to_replica", "engine", "to_router", "total", "proxy_and_http"}, b
+        assert set(b) == {"route", "to_replica", "engine", "to_router", "total", "send", "proxy_and_http"}, b
         parts = sum(b[s]["mean_ms"] for s in ("route", "to_replica", "engine", "to_router"))
         assert abs(parts - b["total"]["mean_ms"]) <= 0.02 + 1e-6 * parts, b
         assert b["engine"]["mean_ms"] > 0 and b["total"]["p99_ms"] >= b["total"]["mean_ms"] * 0.5
@@ -63,6 +63,22 @@ def test_targets_are_plain_json_bools_when_met():
                     "auto": {"ratio_to_stock": np.float64(2.1), "preemptions": np.float64(0), "failed": 0}}}
     got = targets(run)
     assert got == {"long.full": True, "long.auto": True} and json.loads(json.dumps(got)) == got
+
+
+def test_time_to_first_token_targets_per_workload():
+    """#27's targets: idle by TTFT differences to stock (mean + 25 ms, p99 + 60 ms), the short burst by tok/s,
+    TTFT and TPOT ratios; each fails on its own bound."""
+    from kvtier.benchmarks.serve import targets
+
+    idle = {"ratio_to_stock": 1.0, "ttft_minus_stock_ms": 25.0, "ttft_p99_minus_stock_ms": 60.0}
+    short = {"ratio_to_stock": 0.9, "ttft_ratio_to_stock": 1.5, "tpot_ratio_to_stock": 1.1}
+    assert targets({"idle": {"full": idle}, "short": {"full": short}}) == {"idle.full": True, "short.full": True}
+    for wname, base, key, bad in (("idle", idle, "ttft_minus_stock_ms", 25.1),
+                                  ("idle", idle, "ttft_p99_minus_stock_ms", 61.0),
+                                  ("short", short, "ratio_to_stock", 0.89),
+                                  ("short", short, "ttft_ratio_to_stock", 1.51),
+                                  ("short", short, "tpot_ratio_to_stock", 1.11)):
+        assert targets({wname: {"full": {**base, key: bad}}}) == {f"{wname}.full": False}, (wname, key)
 
 
 def test_server_ports_are_outside_the_ephemeral_range_and_skip_taken_ones(monkeypatch):

@@ -18,7 +18,7 @@ import pytest
 
 psutil = pytest.importorskip("psutil")
 
-from kvtier.service.cpu_priority import lower_serving_priority, replica_titles  # noqa: E402
+from kvtier.service.cpu_priority import PriorityKeeper, lower_serving_priority, replica_titles  # noqa: E402
 from service_helpers import thread_nices  # noqa: E402
 
 SLEEP = "import time; time.sleep(120)"
@@ -64,6 +64,36 @@ def test_keeper_lowers_serving_processes_but_never_the_engines_subtree(tmp_path)
         assert lower_serving_priority(10, include_self=False, skip=(engine_replica,), marker=session) == 0
         lower_serving_priority(10, include_self=False, skip=(engine_replica,))   # no session given: every child
         assert thread_nices(psutil.Process(pids["not_ray"])) == {10}
+    finally:
+        for p in procs.values():
+            for c in psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []:
+                c.kill()
+            p.kill()
+            p.wait(10)
+
+
+@pytest.mark.parametrize("router_nice", [0, 5])
+def test_keeper_gives_the_router_its_own_nice_value(tmp_path, router_nice):
+    """`server.router_nice`: the router replica's subtree gets its own value (0: left as it is), every other
+    serving process the keeper's, the engine replica none."""
+    session = str(tmp_path / "session_2026-12-02_00-00-00_000000_1")
+    router = replica_titles("kvtier", "KVTierRouter")[1]
+    specs = {"proxy": [sys.executable, "-c", SLEEP], "router": [router, "-c", SPAWN],
+             "engine_replica": [replica_titles("kvtier", "engine-cpu")[1], "-c", SLEEP]}
+    procs = {n: subprocess.Popen(argv + [f"--session-dir={session}"], executable=sys.executable)
+             for n, argv in specs.items()}
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and not psutil.Process(procs["router"].pid).children():
+            time.sleep(0.1)
+        pids = {n: p.pid for n, p in procs.items()}
+        pids["router_child"] = psutil.Process(pids["router"]).children()[0].pid
+        keeper = PriorityKeeper(10, skip=(specs["engine_replica"][0],), session_dir=session,
+                                own=(replica_titles("kvtier", "KVTierRouter"), router_nice))
+        keeper.pass_once()
+        got = {n: thread_nices(psutil.Process(pid)) for n, pid in pids.items()}
+        assert got == {"proxy": {10}, "router": {router_nice}, "router_child": {router_nice},
+                       "engine_replica": {0}}, got
     finally:
         for p in procs.values():
             for c in psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []:

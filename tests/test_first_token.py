@@ -46,3 +46,36 @@ def test_summaries_per_tier_since_a_time():
     assert out["k256"]["total"]["mean_ms"] == 53.5 and out["all"] == out["k256"]
     assert m.first_token_breakdown(time.time() + 60) == {}
     assert summarize([]) == {}
+
+
+def test_a_streams_send_segment_is_recorded_once_its_first_chunk_went_out():
+    """relay_stream records `send` (first chunk held by the router -> its send returned) once, after the
+    consumer took the first chunk, outside `total`; a response with no stream has none."""
+    import asyncio
+
+    from kvtier.service.sse import relay_stream
+
+    m = RouterMetrics(export=False)
+    seg = segments(0, 0.001, {"replica_in": 0.002, "first_out": 0.010}, 0.011)
+    m.first_token_segments("full", seg)
+
+    async def rest():
+        yield "data: {\"choices\": [{\"text\": \"b\"}]}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def consume():
+        first_at = time.time()
+        stream = relay_stream("data: {\"choices\": [{\"text\": \"a\"}]}\n\n", rest(), "cpu", "full",
+                              time.perf_counter(), False, m, seg, first_at)
+        out = [await stream.__anext__()]
+        await asyncio.sleep(0.05)          # the "send" of the first chunk takes 50 ms
+        out += [c async for c in stream]
+        return out
+
+    chunks = asyncio.run(consume())
+    assert len(chunks) == 3 and chunks[-1] == "data: [DONE]\n\n"
+    assert 0.045 <= seg["send"] < 1.0 and abs(seg["total"] - 0.011) < 1e-9   # total unchanged
+    out = m.first_token_breakdown(time.time() - 60)["full"]
+    assert out["send"]["n"] == 1 and out["send"]["mean_ms"] >= 45 and out["total"]["n"] == 1
+    plain = segments(0, 0.001, {}, 0.002)
+    assert "send" not in plain and "send" not in summarize([plain])

@@ -185,6 +185,9 @@ BAD_REQUESTS = [
     ("empty prompt list", "/v1/completions", {"model": MODEL, "prompt": []}, 400),
     ("negative token id", "/v1/completions", {"model": MODEL, "prompt": [1, -5]}, 400),
     ("token id beyond vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9], "max_tokens": 2}, 400),
+    # vLLM's own server answers 200 and an SSE error event; before the stream starts kvtier answers 400
+    ("token id beyond vocab, streamed", "/v1/completions",
+     {"model": MODEL, "prompt": [1, 10**9], "max_tokens": 2, "stream": True}, 400),
     ("kvtier xargs smuggled", "/v1/completions", {"model": MODEL, "prompt": "hi", "vllm_xargs": {"kvtier_budget": 1}}, 400),
     ("no messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
     ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "god", "content": "x"}]}, 400),

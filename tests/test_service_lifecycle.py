@@ -74,8 +74,12 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background):
             assert needle in names, f"{needle} not among the service's processes: {names}"
         assert _session_processes(session), "no process names the Ray session before the stop"
         # CPU priority (service/cpu_priority.py): vLLM's processes at nice 0, Serve's and Ray's at 19
-        assert "Ray's and Serve's processes run at nice 19" in log, log[-3000:]
+        assert "Ray's and Serve's processes run at nice 19, vLLM's engine processes at 0, so" in log, log[-3000:]
         nice = {_describe(p): thread_nices(p) for p in procs}
+        assert any("ServeReplica:kvtier:KVTierRouter" in name for name in nice), list(nice)
+        # Serve's proxy listens on the service port (the default `ingress: proxy`)
+        listeners = {c.laddr.port: p for p in procs for c in _listening(p)}
+        assert "ProxyActor" in _describe(listeners[svc.port]), _describe(listeners[svc.port])
         for name, values in nice.items():
             if "VLLM::" in name:
                 assert values == {0}, (name, values)
@@ -109,8 +113,9 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background):
 
 def test_direct_ingress_serves_the_port_from_the_router_and_stops_cleanly(tmp_path):
     """`server.ingress: direct` (#27): the router replica itself listens on the service port (Serve's proxy
-    moves to another), a stream gets its tier headers and tokens, the first-token breakdown is recorded,
-    and SIGTERM still stops everything."""
+    moves to another) in Serve's throughput-optimized mode, at nice 0 (it does the HTTP work), a stream
+    gets its tier headers and tokens, the first-token breakdown is recorded, and SIGTERM still stops
+    everything within Serve's shutdown budget."""
     import yaml
 
     from kvtier.service.config import DEFAULT_CONFIG
@@ -121,9 +126,12 @@ def test_direct_ingress_serves_the_port_from_the_router_and_stops_cleanly(tmp_pa
     procs: list[psutil.Process] = []
     try:
         svc.wait_ready()
+        assert "vLLM's engine processes at 0, the router at 0 (server.router_nice)" in svc.log(), svc.log()[-3000:]
         procs = svc.descendants()
         listeners = {c.laddr.port: p for p in procs for c in _listening(p)}
-        assert "ServeReplica:kvtier:KVTierRouter" in _describe(listeners[svc.port]), _describe(listeners[svc.port])
+        router = listeners[svc.port]
+        assert "ServeReplica:kvtier:KVTierRouter" in _describe(router), _describe(router)
+        assert router.environ().get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1" and thread_nices(router) == {0}
         since = time.time()
         with httpx.Client(base_url=svc.url, timeout=120) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
@@ -134,6 +142,7 @@ def test_direct_ingress_serves_the_port_from_the_router_and_stops_cleanly(tmp_pa
             assert events[-1] == "data: [DONE]" and len(events) >= 2
             stats = http.get("/v1/kvtier/stats", params={"ttft_since": since}).json()
             assert stats["ttft_breakdown"]["full"]["engine"]["n"] == 1
+            assert stats["ttft_breakdown"]["full"]["send"]["n"] == 1   # the first chunk's send, recorded
         svc.proc.send_signal(signal.SIGTERM)
         assert svc.proc.wait(60) == 0, svc.log()[-3000:]
         assert "did not shut down in time" not in svc.log(), svc.log()[-3000:]   # Serve drained within budget

@@ -66,6 +66,26 @@ def test_bad_configs_name_the_field(patch, needle):
         make_cfg(**patch)
 
 
+@pytest.mark.parametrize("server, direct, router_nice", [
+    ({}, False, 19),                                            # the default: Serve's proxy
+    ({"ingress": "auto"}, True, 0),                             # auto on a local Ray: direct, router at 0
+    ({"ingress": "auto", "router_replicas": 2}, False, 19),     # auto with two routers: Serve's proxy
+    ({"ingress": "auto", "ray_address": "auto"}, False, 19),    # auto on a joined cluster: Serve's proxy
+    ({"ingress": "direct", "router_nice": 7}, True, 7),
+    ({"ingress": "proxy", "serving_nice": None}, False, None),  # no nice values at all
+])
+def test_ingress_auto_resolves_and_the_router_nice_follows_it(server, direct, router_nice):
+    cfg = make_cfg(server=server).server
+    assert (cfg.direct_ingress, cfg.router_nice_value) == (direct, router_nice)
+
+
+@pytest.mark.parametrize("server", [{"ingress": "direct", "router_replicas": 2},
+                                    {"ingress": "direct", "ray_address": "auto"}])
+def test_direct_ingress_where_it_cannot_be_is_refused_by_name(server):
+    with pytest.raises(ConfigError, match="server.ingress 'direct'"):
+        make_cfg(server=server)
+
+
 def test_bad_engine_kwargs_and_eviction_are_rejected():
     with pytest.raises(ConfigError, match="max_model_len"):
         make_cfg(engines={"cpu": {"max_model_len": 4096, "engine_kwargs": {"max_model_len": 1}}})
@@ -358,6 +378,20 @@ def test_coalesce_sends_the_first_chunk_at_once_then_batches_per_interval():
         except ValueError as exc:
             return out, str(exc)
     assert asyncio.run(failing()) == (["c0", "c1", "c2"], "engine said no")
+
+
+def test_a_stream_that_opens_with_an_error_event_becomes_the_callers_error():
+    """vLLM reports an input error it finds once generating as the stream's first SSE event; the engine
+    server turns exactly that (one error event, [DONE] or not) into an error body the router answers 4xx."""
+    pytest.importorskip("ray.llm")
+    from kvtier.service.engine_server import _sse_error
+
+    event = 'data: {"error": {"message": "Token id 9 is out of vocabulary", "type": "BadRequestError", "code": 400}}\n\n'
+    want = {"error": {"message": "Token id 9 is out of vocabulary", "type": "BadRequestError", "code": 400}}
+    assert _sse_error(event) == want and _sse_error(event + "data: [DONE]\n\n") == want
+    assert _sse_error('data: {"id": "c", "choices": [{"text": "x"}]}\n\n') is None      # a token
+    assert _sse_error(event + 'data: {"id": "c"}\n\n') is None                          # not only the error
+    assert _sse_error('data: {"error": oops}\n\n') is None and _sse_error({"response": {}}) is None
 
 
 def test_counters_are_pulled_from_the_worker_only_after_engine_steps(monkeypatch):

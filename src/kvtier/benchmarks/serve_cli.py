@@ -57,7 +57,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         kv_cache_bytes: Optional[str] = typer.Option(None, "--kv-cache-bytes", help="Override the engine's KV pool (e.g. 32MiB)."),
         max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Override (default: the config's, `auto` resolved)."),
         max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Override the engine's max_model_len."),
-        idle: str = typer.Option("16x64x32@1", help="idle workload (one request at a time): PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
+        idle: str = typer.Option("64x64x32@1", help="idle workload (one request at a time; 64 so a p99 is not just the worst request): PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
         short: str = typer.Option("64x64x128@16", help="short workload: PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
         long: str = typer.Option("32x64x3000@32", help="long workload: PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
         out: Optional[Path] = typer.Option(None, help="Write the JSON here too."),

@@ -12,6 +12,7 @@ from .config import REASONER_MODELS, TINY_MODEL, EngineConfig, ServiceConfig
 ENGINE_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 # Only for a Ray cluster kvtier starts itself (launch.py): token auth stays on for shared clusters (KubeRay).
 LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+ROUTER_DEPLOYMENT = "KVTierRouter"   # the router deployment's name (its replicas' process titles)
 
 
 def deployment_name(engine: str) -> str:
@@ -93,5 +94,5 @@ def build_application(cfg: ServiceConfig, local_ray: bool = False):
                                    override_serve_options={"name": deployment_name(name)})
         for name, eng in cfg.engines.items()
     }
-    router = KVTierRouter.options(num_replicas=cfg.server.router_replicas)
+    router = KVTierRouter.options(name=ROUTER_DEPLOYMENT, num_replicas=cfg.server.router_replicas)
     return router.bind(cfg.model_dump(mode="json"), engines, model_paths), model_paths

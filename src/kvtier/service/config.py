@@ -154,18 +154,40 @@ class ServerConfig(_Model):
     # On a Ray kvtier serve starts: Ray's and Serve's processes at this nice value, vLLM's engine processes
     # at 0, so the engine core's scheduler gets its core first (service/cpu_priority.py). None: Ray's own.
     serving_nice: int | None = Field(default=19, ge=1, le=19)
+    # The router replica's own nice value under serving_nice (None: 0 when it serves HTTP itself, i.e. with
+    # direct ingress, else serving_nice's; 0: left at the engine's priority). Measured in docs/serving.md.
+    router_nice: int | None = Field(default=None, ge=0, le=19)
     # How HTTP reaches the router. "proxy": Serve's HTTP proxy forwards to the router deployment (one more
-    # Ray hop each way). "direct": Ray Serve's direct ingress, the router replica itself listens on `port`
-    # (Serve's proxy moves to a free port); a local Ray with one router replica only. Measured at idle on
-    # this CPU: -17 to -21 ms mean time to first token (docs/serving.md).
-    ingress: Literal["proxy", "direct"] = "proxy"
+    # Ray hop each way). "direct": Ray Serve's direct ingress in its throughput-optimized mode, the router
+    # replica itself listens on `port` (Serve's proxy moves to a free port); a local Ray with one router
+    # replica only. "auto": direct where it can be (a local Ray, one router replica), else proxy. Measured on
+    # this CPU (docs/serving.md): direct takes ~25 ms off the idle mean time to first token but under a
+    # 16-request burst varied from 0.97x to 0.51x stock's tok/s across runs, so the default stays the proxy.
+    ingress: Literal["auto", "proxy", "direct"] = "proxy"
 
     @model_validator(mode="after")
     def _direct_ingress_is_local(self):
-        if self.ingress == "direct" and (self.ray_address is not None or self.router_replicas != 1):
+        if self.ingress == "direct" and not self._direct_possible():
             raise ValueError("server.ingress 'direct' needs a local Ray (ray_address unset) and router_replicas 1: "
                              "the router replica listens on the port itself")
         return self
+
+    def _direct_possible(self) -> bool:
+        return self.ray_address is None and self.router_replicas == 1
+
+    @property
+    def direct_ingress(self) -> bool:
+        """Whether the router replica serves HTTP itself (`ingress`, with "auto" resolved)."""
+        return self.ingress == "direct" or (self.ingress == "auto" and self._direct_possible())
+
+    @property
+    def router_nice_value(self) -> int | None:
+        """The router's nice value under serving_nice (`router_nice`, with None resolved)."""
+        if self.serving_nice is None:
+            return None
+        if self.router_nice is not None:
+            return self.router_nice
+        return 0 if self.direct_ingress else self.serving_nice
 
 
 class ServiceConfig(_Model):

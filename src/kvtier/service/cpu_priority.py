@@ -61,25 +61,29 @@ def _skipped(proc, prefixes: tuple[str, ...]) -> bool:
             or any(a.endswith(UNTITLED_WORKER) for a in argv[:3]))   # not the raylet: it names the script later
 
 
-def lower_serving_priority(nice: int, include_self: bool, skip: tuple[str, ...] = (), marker: str | None = None) -> int:
+def lower_serving_priority(nice: int, include_self: bool, skip: tuple[str, ...] = (), marker: str | None = None,
+                           only: tuple[str, ...] = ()) -> int:
     """Raise every thread of this process's descendants (and of this process if include_self) to `nice`,
     leaving out the whole subtree of a process whose title starts with one of ALWAYS_SKIPPED or `skip` (or
     an untitled Ray worker), and with `marker` (a Ray session directory) only the subtrees of this process's
-    children whose command line names it (Ray's daemons; not other children of the same process). Returns
-    how many threads changed."""
+    children whose command line names it (Ray's daemons; not other children of the same process). With
+    `only`, just the subtrees of processes whose title starts with one of those. Returns how many threads
+    changed."""
     import psutil
 
     me = psutil.Process()
     prefixes = ALWAYS_SKIPPED + tuple(skip)
     changed = 0
-    todo = [me] if include_self else [c for c in me.children() if marker is None or _names(c, marker)]
+    todo = [(me, not only)] if include_self else [(c, not only) for c in me.children()
+                                                  if marker is None or _names(c, marker)]
     while todo:
-        proc = todo.pop()
+        proc, inside = todo.pop()
         try:
             if _skipped(proc, prefixes):
                 continue
-            todo.extend(proc.children())
-            if proc.name() in PARENTS_KEPT:
+            inside = inside or _skipped(proc, tuple(only))
+            todo.extend((c, inside) for c in proc.children())
+            if proc.name() in PARENTS_KEPT or not inside:
                 continue
             for t in proc.threads():
                 if os.getpriority(os.PRIO_PROCESS, t.id) < nice:
@@ -94,22 +98,38 @@ class PriorityKeeper:
     """A daemon thread in the driver that lowers the Ray it started (the processes under its children that
     name `session_dir`; the driver itself stays as it is) now and every `period_s` until stop()."""
 
-    def __init__(self, nice: int, skip: tuple[str, ...] = (), session_dir: str | None = None, period_s: float = 5.0):
-        self.nice, self.skip, self.session_dir, self.period_s = nice, tuple(skip), session_dir, period_s
+    def __init__(self, nice: int, skip: tuple[str, ...] = (), session_dir: str | None = None, period_s: float = 5.0,
+                 own: tuple[tuple[str, ...], int] | None = None):
+        """own: (titles, nice) for processes given a nice value of their own (the router's `router_nice`):
+        left out of the main pass, raised to theirs (0: left as they are)."""
+        self.nice, self.session_dir, self.period_s, self.own = nice, session_dir, period_s, own
+        self.skip = tuple(skip) + (own[0] if own else ())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-cpu-priority", daemon=True)
 
     def start(self) -> "PriorityKeeper":
-        logger.warning("kvtier: Ray's and Serve's processes run at nice %d, vLLM's engine processes at 0, so the "
+        router = f", the router at {self.own[1]} (server.router_nice)" if self.own else ""
+        logger.warning("kvtier: Ray's and Serve's processes run at nice %d, vLLM's engine processes at 0%s, so the "
                        "engine core's scheduler gets its CPU first (server.serving_nice: null turns this off)",
-                       self.nice)
+                       self.nice, router)
         self._thread.start()
         return self
 
+    def pass_once(self) -> None:
+        lower_serving_priority(self.nice, include_self=False, skip=self.skip, marker=self.session_dir)
+        if self.own and self.own[1] > 0:
+            lower_serving_priority(self.own[1], include_self=False, marker=self.session_dir, only=self.own[0])
+
     def _run(self) -> None:
+        # the keeper's own passes (psutil over every thread of the session) at the serving nice value too: at
+        # the driver's 0 they would compete with the engine core (and a request's first token) every period_s
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        except OSError:
+            pass
         while True:
             try:
-                lower_serving_priority(self.nice, include_self=False, skip=self.skip, marker=self.session_dir)
+                self.pass_once()
             except Exception as exc:  # noqa: BLE001 - priority is an optimisation, never a failure
                 logger.warning("kvtier: CPU priority pass failed: %s", exc)
             if self._stop.wait(self.period_s):

@@ -163,7 +163,13 @@ class KVTierLLMServer(LLMServer):
             stream = await (self.chat(request) if kind == "chat" else self.completions(request))
             interval = self._llm_config.experimental_configs.get("kvtier_stream_interval_ms", 0) / 1000
             async for item in coalesce(stream, interval) if request.stream and interval > 0 else stream:
-                yield _plain(item)
+                plain = _plain(item)
+                error = None if started else _sse_error(plain)
+                # vLLM's stream reports input errors it finds once generating (a token id beyond the vocabulary)
+                # as its first event; before any token that is still the caller's 4xx, not a 200 stream
+                yield error if error is not None else plain
+                if error is not None:
+                    return
                 started = True
         except (ValueError, TypeError, VLLMClientError) as exc:  # vLLM's input checks, incl. kvtier's
             error = {"message": str(exc) or type(exc).__name__, "type": "invalid_request_error", "code": 400}
@@ -274,6 +280,18 @@ def _plain(item: Any) -> str | dict[str, Any]:
     if type(item).__name__ == "ErrorResponse":
         return {"error": item.error.model_dump(mode="json")}
     return {"response": item.model_dump(mode="json")}
+
+
+def _sse_error(chunk: Any) -> dict[str, Any] | None:
+    """{"error": {...}} if `chunk` is nothing but one SSE error event (optionally followed by [DONE])."""
+    if not isinstance(chunk, str) or not chunk.startswith('data: {"error"'):
+        return None
+    events = [e for e in chunk.split("\n\n") if e.strip() and e.strip() != "data: [DONE]"]
+    try:
+        body = json.loads(events[0].removeprefix("data: ")) if len(events) == 1 else None
+    except json.JSONDecodeError:
+        return None
+    return body if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
 
 
 def _validation_message(exc: Exception) -> str:

@@ -7,7 +7,12 @@ see, as named segments (seconds).
                 vLLM's tokenisation, add_request, queueing, prefill, the first token, detokenisation)
     to_router   first chunk left the replica -> the router holds it (Ray's streaming return)
 
-`total` is their sum, router arrival to first chunk. What lies outside (client -> Serve's proxy ->
+`total` is their sum, router arrival to first chunk. After it, for streams:
+
+    send        the router holds the first chunk -> its ASGI send returned (Starlette's streaming response,
+                then Serve's hand-off to its proxy, or with direct ingress uvicorn's socket write)
+
+What lies outside (client -> Serve's proxy ->
 router, and the first chunk router -> proxy -> client) is the client's TTFT minus `total` (`kvtier bench
 serve` reports it as `proxy_and_http`). Timestamps are `time.time()` of the processes involved: exact on
 one host, subject to clock skew (NTP: ~1 ms) across nodes. No vLLM or Ray import here: the router uses it.
@@ -19,6 +24,7 @@ import time
 from typing import Any
 
 SEGMENTS = ("route", "to_replica", "engine", "to_router")
+SEND = "send"   # recorded once a stream's first chunk is sent: not part of `total`
 FIRST_KEY = "kvtier_first"
 
 
@@ -50,7 +56,7 @@ def segments(router_in: float, decided: float, replica: dict[str, float], router
 def summarize(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     """Per segment (and total): mean and p99 in milliseconds, and the count."""
     out: dict[str, dict[str, float]] = {}
-    for name in (*SEGMENTS, "total"):
+    for name in (*SEGMENTS, "total", SEND):
         values = sorted(s[name] for s in samples if name in s)
         if values:
             p99 = values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]

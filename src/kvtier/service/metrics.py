@@ -18,7 +18,7 @@ from typing import Any
 
 from kvtier.observability.exporters import catalog_metric
 
-from .first_token import SEGMENTS, summarize
+from .first_token import SEGMENTS, SEND, summarize
 
 TTFT_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 SEGMENT_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -90,6 +90,13 @@ class RouterMetrics:
             self.breakdowns.append((time.time(), tier, segments))
         for name in SEGMENTS:
             self._observe("ttft_segments", segments[name], {"tier": tier, "segment": name})
+
+    def first_chunk_sent(self, tier: str, segments: dict[str, float], seconds: float) -> None:
+        """A stream's first chunk was sent `seconds` after the router got it (first_token.SEND), added to the
+        request's segments (recorded by first_token_segments)."""
+        with self._lock:
+            segments[SEND] = max(0.0, seconds)
+        self._observe("ttft_segments", max(0.0, seconds), {"tier": tier, "segment": SEND})
 
     def first_token_breakdown(self, since: float) -> dict[str, dict]:
         """Per tier and over all tiers ("all"), the segments' mean and p99 over the requests that arrived

@@ -126,7 +126,8 @@ class KVTierRouter:
         except Exception as exc:  # noqa: BLE001
             gen.cancel()
             return self._reject(engine_failure(exc, decision.engine), headers)
-        breakdown = segments(arrived, decided, replica_times, time.time())
+        first_at = time.time()
+        breakdown = segments(arrived, decided, replica_times, first_at)
         if isinstance(first, dict) and "error" in first:
             gen.cancel()
             err = first["error"]
@@ -145,7 +146,8 @@ class KVTierRouter:
             self.metrics.finished(tier, elapsed, first["response"].get("usage"))
             return JSONResponse(first["response"], headers=headers)
         wants_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(relay_stream(first, gen, decision.engine, tier, t0, wants_usage, self.metrics),
+        return StreamingResponse(relay_stream(first, gen, decision.engine, tier, t0, wants_usage, self.metrics,
+                                              breakdown, first_at),
                                  media_type="text/event-stream", headers=headers)
 
     async def _first_item(self, gen, engine: str):

@@ -36,10 +36,12 @@ def take_usage(item: str, keep_usage_chunk: bool) -> tuple[str, dict | None]:
 
 
 async def relay_stream(first, gen, engine: str, tier: str, t0: float, wants_usage: bool,
-                       metrics: RouterMetrics) -> AsyncIterator[str]:
-    """The client's SSE stream: `first` (the engine's first chunk, already received), then the rest of
-    `gen` (the engine's streaming call); the router's first-token, finished and cancelled counts."""
-    done, usage = False, None
+                       metrics: RouterMetrics, segments: dict[str, float] | None = None,
+                       first_at: float | None = None) -> AsyncIterator[str]:
+    """The client's SSE stream: `first` (the engine's first chunk, already received at unix time
+    `first_at`), then the rest of `gen` (the engine's streaming call); the router's first-token, finished
+    and cancelled counts, and the request's `send` segment (first_token.SEND) once a chunk went out."""
+    done, usage, sent = False, None, False
     try:
         item = first
         metrics.first_token(tier, time.perf_counter() - t0)
@@ -48,7 +50,10 @@ async def relay_stream(first, gen, engine: str, tier: str, t0: float, wants_usag
             item, found = take_usage(item, keep_usage_chunk=wants_usage)
             usage = found or usage
             if item:
-                yield item
+                yield item   # resumes once the ASGI send of this chunk returned
+                if not sent and segments is not None and first_at is not None:
+                    metrics.first_chunk_sent(tier, segments, time.time() - first_at)
+                sent = True
             try:
                 item = await gen.__anext__()
             except StopAsyncIteration:
