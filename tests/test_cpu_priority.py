@@ -26,6 +26,14 @@ SLEEP = "import time; time.sleep(120)"
 SPAWN = f"import subprocess, time; subprocess.Popen([{sys.executable!r}, '-c', {SLEEP!r}]); time.sleep(120)"
 
 
+def _kill_trees(procs) -> None:
+    for p in procs:
+        for c in psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []:
+            c.kill()
+        p.kill()
+        p.wait(10)
+
+
 def test_keeper_lowers_serving_processes_but_never_the_engines_subtree(tmp_path):
     raylet = tmp_path / "raylet"
     raylet.symlink_to(sys.executable)
@@ -65,11 +73,7 @@ def test_keeper_lowers_serving_processes_but_never_the_engines_subtree(tmp_path)
         lower_serving_priority(10, include_self=False, skip=(engine_replica,))   # no session given: every child
         assert thread_nices(psutil.Process(pids["not_ray"])) == {10}
     finally:
-        for p in procs.values():
-            for c in psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []:
-                c.kill()
-            p.kill()
-            p.wait(10)
+        _kill_trees(procs.values())
 
 
 @pytest.mark.parametrize("router_nice", [0, 5])
@@ -95,8 +99,4 @@ def test_keeper_gives_the_router_its_own_nice_value(tmp_path, router_nice):
         assert got == {"proxy": {10}, "router": {router_nice}, "router_child": {router_nice},
                        "engine_replica": {0}}, got
     finally:
-        for p in procs.values():
-            for c in psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []:
-                c.kill()
-            p.kill()
-            p.wait(10)
+        _kill_trees(procs.values())
