@@ -1,6 +1,6 @@
-"""`kvtier serve` stops cleanly: the embedded default config (tiny model, local Ray) started as a subprocess
-in its own session, one request served, then SIGTERM (what Kubernetes and process managers send) or SIGINT
-to a background job (which starts with SIGINT ignored). It must exit 0 within 60 s and leave no process of
+"""`kvtier serve` stops cleanly: the embedded default config (tiny model, local Ray; once with direct ingress)
+started as a subprocess in its own session, one request served, then SIGTERM (what Kubernetes and process
+managers send) or SIGINT to a background job (which starts with SIGINT ignored). It must exit 0 within 60 s and leave no process of
 its Ray session behind: none of its descendants (Ray's head processes and agents, Serve's controller,
 proxy and replicas, the vLLM engine processes) and nothing whose command line names the session."""
 
@@ -47,10 +47,21 @@ def _session_processes(session: str) -> list[psutil.Process]:
     return out
 
 
-@pytest.mark.parametrize("sig, background", [(signal.SIGTERM, False), (signal.SIGINT, True)],
-                         ids=["sigterm", "sigint-background-job"])
-def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background):
-    svc = ServeProcess(None, tmp_path, as_background_job=background)
+@pytest.mark.parametrize("sig, background, ingress", [(signal.SIGTERM, False, None), (signal.SIGINT, True, "direct")],
+                         ids=["sigterm", "sigint-background-job-direct-ingress"])
+def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background, ingress):
+    """The embedded default (Serve's proxy on the port, the router at the serving nice value), and
+    `server.ingress: direct` (#27): the router replica itself listens on the port in Serve's
+    throughput-optimized mode, at nice 0 (it does the HTTP work), and records its first chunk's send."""
+    config = None
+    if ingress is not None:
+        import yaml
+
+        from kvtier.service.config import DEFAULT_CONFIG
+
+        config = yaml.safe_load(open(DEFAULT_CONFIG))
+        config.setdefault("server", {})["ingress"] = ingress
+    svc = ServeProcess(config, tmp_path, as_background_job=background)
     procs: list[psutil.Process] = []
     try:
         svc.wait_ready()
@@ -61,11 +72,19 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background):
         match = re.search(r"local Ray session (\S+)", log)
         assert match, log[-3000:]
         session = match.group(1)
+        since = time.time()
         with httpx.Client(base_url=svc.url, timeout=120) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
             r = http.post("/v1/completions", json={"model": model, "prompt": "Hello world", "max_tokens": 8})
             assert r.status_code == 200, r.text
             assert r.headers["x-kvtier-tier"] and r.json()["usage"]["completion_tokens"] >= 1
+            body = {"model": model, "prompt": "Hello world", "max_tokens": 8, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body, headers={"x-kvtier-tier": "full"}) as r:
+                assert r.status_code == 200 and r.headers["x-kvtier-tier"] == "full"
+                events = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and len(events) >= 2
+            stats = http.get("/v1/kvtier/stats", params={"ttft_since": since}).json()["ttft_breakdown"]["full"]
+            assert stats["engine"]["n"] == 2 and stats["send"]["n"] == 1   # the stream's first chunk's send
 
         procs = svc.descendants()
         names = " | ".join(_describe(p) for p in procs)
@@ -73,16 +92,27 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background):
                        "ProxyActor", "ServeReplica:kvtier:engine", "VLLM::EngineCore"):
             assert needle in names, f"{needle} not among the service's processes: {names}"
         assert _session_processes(session), "no process names the Ray session before the stop"
-        # CPU priority (service/cpu_priority.py): vLLM's processes at nice 0, Serve's and Ray's at 19
-        assert "Ray's and Serve's processes run at nice 19, vLLM's engine processes at 0, so" in log, log[-3000:]
+        # who listens on the service port: Serve's proxy (default), or the router itself in Serve's
+        # throughput-optimized mode (direct ingress)
+        listeners = {c.laddr.port: p for p in procs for c in _listening(p)}
+        on_port = _describe(listeners[svc.port])
+        if ingress == "direct":
+            assert "ServeReplica:kvtier:KVTierRouter" in on_port, on_port
+            assert listeners[svc.port].environ().get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"
+        else:
+            assert "ProxyActor" in on_port, on_port
+        # CPU priority (service/cpu_priority.py): vLLM's processes at nice 0, Serve's and Ray's at 19, the
+        # router at 0 when it serves HTTP itself (server.router_nice's default)
+        router_nice = 0 if ingress == "direct" else 19
+        assert "Ray's and Serve's processes run at nice 19, vLLM's engine processes at 0" in log, log[-3000:]
+        assert ("the router at 0 (server.router_nice)" in log) == (ingress == "direct"), log[-3000:]
         nice = {_describe(p): thread_nices(p) for p in procs}
         assert any("ServeReplica:kvtier:KVTierRouter" in name for name in nice), list(nice)
-        # Serve's proxy listens on the service port (the default `ingress: proxy`)
-        listeners = {c.laddr.port: p for p in procs for c in _listening(p)}
-        assert "ProxyActor" in _describe(listeners[svc.port]), _describe(listeners[svc.port])
         for name, values in nice.items():
             if "VLLM::" in name:
                 assert values == {0}, (name, values)
+            elif "ServeReplica:kvtier:KVTierRouter" in name:
+                assert values == {router_nice}, (name, values)
             elif any(k in name for k in ("ProxyActor", "ServeController", "ServeReplica:kvtier:", "DashboardAgent")):
                 assert values == {19}, (name, values)
 
@@ -94,6 +124,7 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background):
         print(f"\n[{signal.Signals(sig).name}: exit {code} after {took:.1f} s; {len(procs)} processes watched]")
         assert code == 0, log[-3000:]
         assert "kvtier serve: stopped" in log, log[-3000:]
+        assert "did not shut down in time" not in log, log[-3000:]   # Serve drained within its budget
         left = [_describe(p) for p in procs if _alive(p)]
         assert not left, f"left running after exit: {left}\n{log[-2000:]}"
         named = [_describe(p) for p in _session_processes(session) if _alive(p)]
@@ -108,47 +139,6 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background):
                     p.kill()
                 except psutil.Error:
                     pass
-        svc.stop()
-
-
-def test_direct_ingress_serves_the_port_from_the_router_and_stops_cleanly(tmp_path):
-    """`server.ingress: direct` (#27): the router replica itself listens on the service port (Serve's proxy
-    moves to another) in Serve's throughput-optimized mode, at nice 0 (it does the HTTP work), a stream
-    gets its tier headers and tokens, the first-token breakdown is recorded, and SIGTERM still stops
-    everything within Serve's shutdown budget."""
-    import yaml
-
-    from kvtier.service.config import DEFAULT_CONFIG
-
-    config = yaml.safe_load(open(DEFAULT_CONFIG))
-    config.setdefault("server", {})["ingress"] = "direct"
-    svc = ServeProcess(config, tmp_path, name="direct")
-    procs: list[psutil.Process] = []
-    try:
-        svc.wait_ready()
-        assert "vLLM's engine processes at 0, the router at 0 (server.router_nice)" in svc.log(), svc.log()[-3000:]
-        procs = svc.descendants()
-        listeners = {c.laddr.port: p for p in procs for c in _listening(p)}
-        router = listeners[svc.port]
-        assert "ServeReplica:kvtier:KVTierRouter" in _describe(router), _describe(router)
-        assert router.environ().get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1" and thread_nices(router) == {0}
-        since = time.time()
-        with httpx.Client(base_url=svc.url, timeout=120) as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
-            body = {"model": model, "prompt": "Hello world", "max_tokens": 8, "stream": True}
-            with http.stream("POST", "/v1/completions", json=body, headers={"x-kvtier-tier": "full"}) as r:
-                assert r.status_code == 200 and r.headers["x-kvtier-tier"] == "full"
-                events = [line for line in r.iter_lines() if line.startswith("data: ")]
-            assert events[-1] == "data: [DONE]" and len(events) >= 2
-            stats = http.get("/v1/kvtier/stats", params={"ttft_since": since}).json()
-            assert stats["ttft_breakdown"]["full"]["engine"]["n"] == 1
-            assert stats["ttft_breakdown"]["full"]["send"]["n"] == 1   # the first chunk's send, recorded
-        svc.proc.send_signal(signal.SIGTERM)
-        assert svc.proc.wait(60) == 0, svc.log()[-3000:]
-        assert "did not shut down in time" not in svc.log(), svc.log()[-3000:]   # Serve drained within budget
-        left = [_describe(p) for p in procs if _alive(p)]
-        assert not left, f"left running after exit: {left}"
-    finally:
         svc.stop()
 
 
