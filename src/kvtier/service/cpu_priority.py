@@ -55,39 +55,52 @@ def _names(proc, marker: str) -> bool:
         return False
 
 
+def _titled(proc, prefixes: tuple[str, ...], argv: list[str] | None = None) -> bool:
+    """Whether the process's title (command line `argv`, read if not given, or name) starts with one of
+    `prefixes`."""
+    if not prefixes:
+        return False
+    argv = (proc.cmdline() or []) if argv is None else argv
+    return " ".join(argv).startswith(prefixes) or proc.name().startswith(prefixes)
+
+
 def _skipped(proc, prefixes: tuple[str, ...]) -> bool:
+    """Titled with one of `prefixes`, or an untitled Ray worker (told by its script; not the raylet, which
+    names the script later in its command line)."""
     argv = proc.cmdline() or []
-    return (" ".join(argv).startswith(prefixes) or proc.name().startswith(prefixes)
-            or any(a.endswith(UNTITLED_WORKER) for a in argv[:3]))   # not the raylet: it names the script later
+    return _titled(proc, prefixes, argv) or any(a.endswith(UNTITLED_WORKER) for a in argv[:3])
 
 
 def lower_serving_priority(nice: int, include_self: bool, skip: tuple[str, ...] = (), marker: str | None = None,
-                           only: tuple[str, ...] = ()) -> int:
+                           own: tuple[tuple[str, ...], int] | None = None) -> int:
     """Raise every thread of this process's descendants (and of this process if include_self) to `nice`,
     leaving out the whole subtree of a process whose title starts with one of ALWAYS_SKIPPED or `skip` (or
     an untitled Ray worker), and with `marker` (a Ray session directory) only the subtrees of this process's
-    children whose command line names it (Ray's daemons; not other children of the same process). With
-    `only`, just the subtrees of processes whose title starts with one of those. Returns how many threads
-    changed."""
+    children whose command line names it (Ray's daemons; not other children of the same process). `own`
+    (titles, value): the subtree of a process with one of those titles gets that value instead (0: left as
+    it is). One walk of the tree. Returns how many threads changed."""
     import psutil
 
     me = psutil.Process()
     prefixes = ALWAYS_SKIPPED + tuple(skip)
+    own_titles, own_nice = own if own else ((), nice)
     changed = 0
-    todo = [(me, not only)] if include_self else [(c, not only) for c in me.children()
-                                                  if marker is None or _names(c, marker)]
+    todo = [(me, nice)] if include_self else [(c, nice) for c in me.children() if marker is None or _names(c, marker)]
     while todo:
-        proc, inside = todo.pop()
+        proc, target = todo.pop()
         try:
             if _skipped(proc, prefixes):
                 continue
-            inside = inside or _skipped(proc, tuple(only))
-            todo.extend((c, inside) for c in proc.children())
-            if proc.name() in PARENTS_KEPT or not inside:
+            if _titled(proc, own_titles):
+                target = own_nice
+            if target == 0:   # nothing to raise in this subtree
+                continue
+            todo.extend((c, target) for c in proc.children())
+            if proc.name() in PARENTS_KEPT:
                 continue
             for t in proc.threads():
-                if os.getpriority(os.PRIO_PROCESS, t.id) < nice:
-                    os.setpriority(os.PRIO_PROCESS, t.id, nice)
+                if os.getpriority(os.PRIO_PROCESS, t.id) < target:
+                    os.setpriority(os.PRIO_PROCESS, t.id, target)
                     changed += 1
         except (psutil.Error, OSError):   # exited or being replaced meanwhile: the next pass sees it
             continue
@@ -102,8 +115,7 @@ class PriorityKeeper:
                  own: tuple[tuple[str, ...], int] | None = None):
         """own: (titles, nice) for processes given a nice value of their own (the router's `router_nice`):
         left out of the main pass, raised to theirs (0: left as they are)."""
-        self.nice, self.session_dir, self.period_s, self.own = nice, session_dir, period_s, own
-        self.skip = tuple(skip) + (own[0] if own else ())
+        self.nice, self.skip, self.session_dir, self.period_s, self.own = nice, tuple(skip), session_dir, period_s, own
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-cpu-priority", daemon=True)
 
@@ -116,9 +128,7 @@ class PriorityKeeper:
         return self
 
     def pass_once(self) -> None:
-        lower_serving_priority(self.nice, include_self=False, skip=self.skip, marker=self.session_dir)
-        if self.own and self.own[1] > 0:
-            lower_serving_priority(self.own[1], include_self=False, marker=self.session_dir, only=self.own[0])
+        lower_serving_priority(self.nice, include_self=False, skip=self.skip, marker=self.session_dir, own=self.own)
 
     def _run(self) -> None:
         # the keeper's own passes (psutil over every thread of the session) at the serving nice value too: at

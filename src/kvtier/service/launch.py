@@ -125,7 +125,7 @@ def start(cfg: ServiceConfig, *, host: str | None = None, port: int | None = Non
 
             engines = tuple(t for n in cfg.engines for t in replica_titles(cfg.server.app_name, deployment_name(n)))
             router_nice = cfg.server.router_nice_value
-            own = (None if router_nice is None or router_nice == cfg.server.serving_nice
+            own = (None if router_nice == cfg.server.serving_nice
                    else (replica_titles(cfg.server.app_name, ROUTER_DEPLOYMENT), router_nice))
             _OWNED["priority"] = PriorityKeeper(cfg.server.serving_nice, skip=engines, own=own,
                                                session_dir=_OWNED["session_dir"]).start()
