@@ -1,7 +1,8 @@
 """Every change kvtier makes to vLLM, in one place. Pinned to vLLM 0.31.0 (checked at start-up).
 
 Each patch wraps one function and calls the original; all are inert unless the engine was started with
-`additional_config={"kvtier": {...}}` (so a plain vLLM engine in the same environment is untouched).
+`additional_config={"kvtier": {...}}` (the shared-memory queue patch: unless KVTIER_SHM_SPIN_S is set), so
+a plain vLLM engine in the same environment is untouched.
 Installing is idempotent: applying twice would apply offsets twice.
 """
 
@@ -270,6 +271,33 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+# -- every process (shared-memory queues) -----------------------------------------------------------
+SHM_SPIN_ENV = "KVTIER_SHM_SPIN_S"   # set by the service for its engines' processes (EngineConfig.shm_spin_s)
+_SPIN_LOGGED = False
+
+
+def _spin_condition_init(orig):
+    """vLLM's shared-memory queue readers (the engine core waiting for a worker's output, a worker waiting
+    for the next step) spin on sched_yield() for `busy_loop_s` (1 s) after every message before sleeping on
+    the queue's notify socket, which the writer pings after every write. With KVTIER_SHM_SPIN_S set, readers
+    spin that long instead; 0 waits on the socket at once (one wake-up per message instead of a spinning
+    core). Unset: vLLM's own value."""
+    @functools.wraps(orig)
+    def __init__(self, is_reader, context, notify_address, *args, **kwargs):
+        import os
+
+        value = os.environ.get(SHM_SPIN_ENV)
+        if is_reader and value is not None and not args and "busy_loop_s" not in kwargs:
+            kwargs["busy_loop_s"] = float(value)
+            global _SPIN_LOGGED
+            if not _SPIN_LOGGED:
+                _SPIN_LOGGED = True
+                logger.info("kvtier: vLLM's shared-memory queue readers busy-wait %s s after each message "
+                            "(vLLM: 1 s), then sleep on the queue's socket (%s)", value, SHM_SPIN_ENV)
+        orig(self, is_reader, context, notify_address, *args, **kwargs)
+    return __init__
+
+
 # -- every process (config) ------------------------------------------------------------------------
 class _PatchedProperty(property):
     """A property that takes attributes: install() marks each replacement with __kvtier_patched__ /
@@ -432,6 +460,11 @@ PATCHES: tuple[Patch, ...] = (
           "(vLLM has no sleep mode on CPU; LLM.sleep/wake_up still run the whole dispatch down to the "
           "worker, which is how tests exercise the rebuild). Installed only on the CPU platform",
           _wake_up, when=_on_cpu),
+    Patch("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.__init__",
+          "readers' busy-wait after each message from KVTIER_SHM_SPIN_S when set (the service sets it per "
+          "engine where EngineConfig.shm_spin_s is set); assumes SpinCondition(is_reader, context, "
+          "notify_address, busy_loop_s=1) and that the writer notifies after every enqueue, which vLLM's "
+          "own idle path (after busy_loop_s) already relies on", _spin_condition_init),
     Patch("vllm.config.vllm:VllmConfig.use_v2_model_runner",
           "force vLLM's V1 model runner when kvtier eviction is configured (V2 is vLLM's default on GPU with "
           "Triton; every worker patch targets the V1 GPUModelRunner), logging the override once; where V2 is "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.engine.patches import SHM_SPIN_ENV
 from kvtier.engine.worker_ext import QUALNAME as WORKER_EXTENSION
 
 from .config import REASONER_MODELS, TINY_MODEL, EngineConfig, ServiceConfig
@@ -46,7 +47,8 @@ def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, loc
     from .cpu_priority import NICE_ENV
 
     local = {**LOCAL_RAY_ENV, **({NICE_ENV: str(serving_nice)} if serving_nice else {})} if local_ray else {}
-    env = {**ENGINE_ENV, **local, **eng.runtime_env.get("env_vars", {})}
+    spin = {SHM_SPIN_ENV: str(eng.shm_spin_s)} if eng.shm_spin_s is not None else {}
+    env = {**ENGINE_ENV, **local, **spin, **eng.runtime_env.get("env_vars", {})}
     extra: dict[str, Any] = {}
     if eng.accelerator == "cpu":
         extra["accelerator_config"] = {"kind": "cpu"}

@@ -57,6 +57,11 @@ class EngineConfig(_Model):
     deployment: dict[str, Any] = Field(default_factory=lambda: {"num_replicas": 1})
     pressure: PressureConfig = Field(default_factory=PressureConfig)
     runtime_env: dict[str, Any] = Field(default_factory=dict)
+    # How long vLLM's engine core and workers busy-wait on their shared-memory queues after each message
+    # before sleeping on the queue's socket (None: vLLM's 1 s). The engine core spins while a worker
+    # computes, a whole core; 0 frees it but every step then waits on socket wake-ups: on the 2-core CPU
+    # box that cost more than it freed (idle TPOT 1.8x, docs/serving.md), so the default is vLLM's.
+    shm_spin_s: float | None = Field(default=None, ge=0)
 
     @field_validator("kv_cache_bytes", mode="before")
     @classmethod
