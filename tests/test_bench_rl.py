@@ -67,3 +67,27 @@ def test_committed_result_has_the_issue_shape():
         for when in ("start", "end"):
             assert {"evicted", "full"} <= set(arm["heldout"][when])
         assert set(arm["logprob_agreement"]) == {"kl", "max_abs_log_ratio"}
+
+
+def _composed(**kwargs):
+    """verl's trainer config as `kvtier rl smoke` composes it (Hydra's own run-dir override left out)."""
+    from kvtier.rollout.cpu.rl_smoke import overrides
+    from kvtier.rollout.verl_config import compose_config
+
+    args = overrides(model="/m", train=Path("/t.parquet"), val=Path("/v.parquet"), workdir=Path("/w"), steps=2,
+                     batch_size=2, n=2, prompt_length=8, response_length=8, budget=4, buffer=2, kv_cache_mb=8,
+                     lr=1e-3, env_vars={}, **kwargs)
+    return compose_config([a for a in args if not a.startswith("hydra.")])
+
+
+def test_learner_dtype_reaches_verls_actor_and_reference_configs():
+    """The FSDP actor and reference compute in fp32 by default (bf16 is emulated on CPUs without native bf16:
+    ~25x slower backward, rl_smoke.LEARNER_DTYPES); bf16 (verl's own default) on request; anything else is
+    refused by name before verl starts."""
+    for dtype in ("fp32", "bf16"):
+        cfg = _composed(learner_dtype=dtype) if dtype != "fp32" else _composed()
+        for role in (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref):
+            assert role.fsdp_config.mixed_precision.param_dtype == dtype
+    assert RLBenchShape().learner_dtype == "bf16"   # the committed bench runs' setting
+    with pytest.raises(ValueError, match="learner_dtype must be one of"):
+        _composed(learner_dtype="fp16")

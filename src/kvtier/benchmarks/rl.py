@@ -45,6 +45,7 @@ class RLBenchShape:
     kv_cache_mb: int = 24          # equal KV memory in every arm (full attention needs ~39 MB for 16 samples)
     heldout: int = 32              # held-out local-chain problems per evaluation
     rejection: str | None = None   # verl rollout_rs option for the dense arm, e.g. "seq_max_k2:0.5"
+    learner_dtype: str = "bf16"    # the actor's compute dtype (rl_smoke.LEARNER_DTYPES; bf16 as in results/)
 
 
 def arm_overrides(arm: str, shape: RLBenchShape) -> tuple[int | None, str, list[str]]:
@@ -111,7 +112,7 @@ def run_arm(arm: str, model: str, shape: RLBenchShape, workdir: Path, echo=print
     result = run_smoke(steps=shape.steps, model=model, workdir=str(work), batch_size=shape.batch_size, n=shape.n,
                        response_length=shape.response_length, budget=budget, buffer=shape.buffer,
                        kv_cache_mb=shape.kv_cache_mb, lr=shape.lr, check_tokens=0, timeout=3600, echo=echo,
-                       task="chains", learner=learner, extra_overrides=extra)
+                       task="chains", learner=learner, extra_overrides=extra, learner_dtype=shape.learner_dtype)
     if result["summary"]["returncode"] != 0:
         raise RuntimeError(f"arm {arm}: verl's trainer failed (log: {work / 'main_ppo.log'})")
     steps = [step_row(r) for r in result["steps"]]

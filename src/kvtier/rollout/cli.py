@@ -52,17 +52,22 @@ def smoke(
                              "--response-length 1160)."),
     learner: str = typer.Option("dense", help="dense: the actor scores every token with the whole context; "
                                 "replay: under each sample's own eviction (kvtier.rollout.learner_replay)."),
+    learner_dtype: str = typer.Option("fp32", help="The actor's and reference's compute dtype: fp32, or bf16 "
+                                      "(verl's default; emulated, ~25x slower backward, on CPUs without native "
+                                      "bf16)."),
 ) -> None:
     """Run verl's `main_ppo` (GRPO, hybrid engine, v1 or v0 trainer) on kvtier rollouts on CPU; one JSON line
     per step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
-    from .cpu.rl_smoke import TRAINERS, run_smoke
+    from .cpu.rl_smoke import LEARNER_DTYPES, TRAINERS, run_smoke
 
     if trainer not in TRAINERS:
         raise typer.BadParameter(f"--trainer must be one of {', '.join(TRAINERS)}")
+    if learner_dtype not in LEARNER_DTYPES:
+        raise typer.BadParameter(f"--learner-dtype must be one of {', '.join(LEARNER_DTYPES)}")
     result = run_smoke(steps=steps, model=model, workdir=workdir, batch_size=batch_size, n=n,
                        response_length=response_length, budget=budget, buffer=buffer, lr=lr,
                        check_tokens=check_tokens, timeout=timeout, echo=typer.echo, trainer=trainer, task=task,
-                       learner=learner)
+                       learner=learner, learner_dtype=learner_dtype)
     s = result["summary"]
     versions = s["weights_versions"]
     ok = (s["returncode"] == 0 and s["steps"] == steps

@@ -50,14 +50,22 @@ KVTIER_METRICS = "rollout/kvtier/"
 # where each trainer logs kvtier's eviction metrics: the v1 `kvtier_<mode>` trainers under their own name,
 # verl's v0 RayPPOTrainer as step timing (`timing_s/<name>`, see kvtier.rollout.trainer_hooks)
 METRIC_PREFIX = {"v1": "", "v0": "timing_s/"}
+# The FSDP actor's and reference's compute dtype (verl's fsdp_config.mixed_precision.param_dtype; verl's default
+# bf16 autocast). On a CPU without native bf16 (AVX2) bf16 matmuls are emulated: the tiny model's backward over
+# 8 x 264 tokens took 49-50 s in bf16 and 2.1 s in fp32 (forward 6.4-6.8 s vs 1.1-1.2 s), so verl's
+# update_actor was ~55 s of a ~75-100 s step. The rollout engine stays bf16 either way.
+LEARNER_DTYPES = ("fp32", "bf16")
 
 def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, batch_size: int, n: int,
               prompt_length: int, response_length: int, budget: int | None, buffer: int, kv_cache_mb: int, lr: float,
               env_vars: dict[str, str], trainer: str = "v1", reward: Path | None = None,
-              learner: str = "dense") -> list[str]:
+              learner: str = "dense", learner_dtype: str = "fp32") -> list[str]:
     """verl's Hydra overrides; `reward`: the file with `compute_score` (default: the toy task's reward);
     `learner`: dense, or replay (the actor scores each sample under its own eviction,
-    kvtier.rollout.learner_replay)."""
+    kvtier.rollout.learner_replay); `learner_dtype`: the actor's and reference's compute dtype
+    (LEARNER_DTYPES)."""
+    if learner_dtype not in LEARNER_DTYPES:
+        raise ValueError(f"learner_dtype must be one of {LEARNER_DTYPES}, not {learner_dtype!r}")
     from kvtier.deathtime import ATTN_NAME
     from kvtier.rollout.learner_replay import MODEL_TYPE
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -83,6 +91,8 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         f"{a}.strategy=fsdp2",
         "actor_rollout_ref.ref.strategy=fsdp2",
         f"{a}.use_torch_compile=false",
+        *(f"++{role}.fsdp_config.mixed_precision={{param_dtype:{learner_dtype}}}"
+          for role in (a, "actor_rollout_ref.ref")),
         f"{a}.ppo_mini_batch_size={batch_size}",
         f"{a}.ppo_micro_batch_size_per_gpu={samples}",
         f"{a}.optim.lr={lr}",
@@ -204,7 +214,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
               n: int = 2, prompt_length: int = 64, response_length: int = 200, budget: int | None = 64, buffer: int = 16,
               kv_cache_mb: int = 64, lr: float = 1e-3, check_tokens: int = 16, timeout: float = 1800,
               echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1", task: str = "toy",
-              learner: str = "dense") -> dict:
+              learner: str = "dense", learner_dtype: str = "fp32") -> dict:
     """task "toy": `toy_task`'s prompts and reward (any model); "chains": the reasoner's task family and its
     graded reward (`kvtier.rollout.chains_task`; the model must speak it, e.g. src/kvtier/models/reasoner)."""
     import tempfile
@@ -246,7 +256,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     args = overrides(model=model, train=train, val=val, workdir=work, steps=steps, batch_size=batch_size, n=n,
                      prompt_length=prompt_length, response_length=response_length, budget=budget, buffer=buffer,
                      kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()}, trainer=trainer,
-                     reward=reward, learner=learner)
+                     reward=reward, learner=learner, learner_dtype=learner_dtype)
     args += chat + list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIG_DIR}",
            f"--config-name={GRPO_CONFIG}", *args]
