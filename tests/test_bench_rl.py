@@ -91,3 +91,11 @@ def test_learner_dtype_reaches_verls_actor_and_reference_configs():
     assert RLBenchShape().learner_dtype == "bf16"   # the committed bench runs' setting
     with pytest.raises(ValueError, match="learner_dtype must be one of"):
         _composed(learner_dtype="fp16")
+
+
+def test_bench_refuses_a_bad_learner_dtype_before_any_work(tmp_path):
+    from kvtier.benchmarks.rl import run_rl_bench
+
+    with pytest.raises(ValueError, match="learner_dtype must be one of"):
+        run_rl_bench("/no/model", RLBenchShape(learner_dtype="fp16"), ["full"], tmp_path / "bench")
+    assert not (tmp_path / "bench").exists()   # refused before the held-out evaluation started
