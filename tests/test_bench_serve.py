@@ -25,6 +25,7 @@ def test_bench_serve_stock_vs_kvtier(tmp_path):
                   "--workdir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)])
     assert json.loads(out.read_text()) == r and plot.stat().st_size > 1000
     assert r["settings"]["max_num_seqs"] == 8            # `auto`: 16 blocks / 2 per k128 request
+    assert r["settings"]["client_nice"] is None
     arms = r["workloads"]["long"]["arms"]
     assert set(arms) == {"stock", "full", "auto"}
     for name, arm in arms.items():
@@ -33,6 +34,8 @@ def test_bench_serve_stock_vs_kvtier(tmp_path):
         assert arm["tok_per_s"] > 0 and arm["tpot_ms"] > 0 and arm["ttft_p99_ms"] >= arm["ttft_ms"] * 0.5
         assert arm["cpu_s"]["engine_core"] > 0 and arm["serving_cpu_s_per_1k_tokens"] > 0, arm["cpu_s"]
         assert len(arm["runs"]) == 1
+        stalls = arm["runs"][0]["client_stalls"]   # the client's own stalls, told apart from the server's
+        assert set(stalls) == {"stalls", "max_ms", "total_ms", "descheduled_ms"} and stalls["total_ms"] >= stalls["max_ms"]
     assert arms["stock"]["ratio_to_stock"] == 1.0
     assert arms["stock"]["preemptions"] > 0                                # the pool is too small for stock
     assert arms["full"]["preemptions"] > 0 and arms["full"]["eviction_events"] == 0

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from .client_clock import StallWatch, client_priority
 from .servers import (EngineSettings, ServerProcess, prometheus_sum, start_kvtier, start_rayllm, start_stock,
                       stop_servers_on_signals)
 
@@ -93,14 +94,16 @@ def _delta(after: float | None, before: float | None) -> float | None:
     return None if after is None else after - (before or 0.0)
 
 
-def run_one(arm: str, server: ServerProcess, settings: EngineSettings, w: Workload, seed: int) -> dict:
+def run_one(arm: str, server: ServerProcess, settings: EngineSettings, w: Workload, seed: int,
+            client_nice: int | None = None) -> dict:
     from vllm.benchmarks.serve import main as vllm_bench
 
     headers = {"x-kvtier-tier": "full"} if arm == "full" else {}
     since = time.time()
     before = counters(arm, server)
     before_cpu = server.cpu_seconds()   # CPU is sampled right around the benchmark, not the metric reads
-    with contextlib.redirect_stdout(io.StringIO()):   # its report table; the numbers come back as a dict
+    # its report table goes nowhere (the numbers come back as a dict); the client's own stalls are watched
+    with contextlib.redirect_stdout(io.StringIO()), client_priority(client_nice), StallWatch() as watch:
         r = vllm_bench(bench_args(settings, server, w, headers, seed))
     after_cpu = server.cpu_seconds()
     after = counters(arm, server)
@@ -117,6 +120,7 @@ def run_one(arm: str, server: ServerProcess, settings: EngineSettings, w: Worklo
         "ttfts_ms": [round(1000 * t, 1) for t in r.get("ttfts", [])],   # in the order the requests were sent
         "cpu_s": cpu, "serving_cpu_s_per_1k_tokens": round(1000 * serving_cpu / tokens, 3),
         "engine_core_cpu_s_per_1k_tokens": round(1000 * cpu.get("engine_core", 0.0) / tokens, 3),
+        "client_stalls": watch.summary(),   # the benchmark client's own (client_clock.py), not the server's
     }
 
 
@@ -133,7 +137,7 @@ def kvtier_config(base: dict, settings: EngineSettings) -> dict:
 
 
 def one_run(arms: list[str], settings: EngineSettings, config: dict, workloads: dict[str, Workload],
-            workdir: Path, seed: int, log) -> dict:
+            workdir: Path, seed: int, log, client_nice: int | None = None) -> dict:
     results: dict[str, dict] = {name: {} for name in workloads}
     servers = [("stock", ["stock"]), ("rayllm", ["rayllm"]), ("kvtier", [a for a in ("full", "auto")])]
     for kind, served in servers:
@@ -146,11 +150,12 @@ def one_run(arms: list[str], settings: EngineSettings, config: dict, workloads: 
             log(f"{kind}: ready after {server.wait_ready(settings.model_id):.0f} s")
             for wname, w in workloads.items():
                 for arm in served:
-                    results[wname][arm] = res = run_one(arm, server, settings, w, seed)
+                    results[wname][arm] = res = run_one(arm, server, settings, w, seed, client_nice)
                     log(f"{wname:>5} {arm:>6}: {res['tok_per_s']:8.1f} tok/s  TTFT {res['ttft_ms']:7.1f} ms  "
                         f"TPOT {res['tpot_ms']:6.2f} ms  "
                         f"preemptions {res['preemptions']}  failed {res['failed']}  "
-                        f"serving CPU {res['serving_cpu_s_per_1k_tokens']} s/1k tok")
+                        f"serving CPU {res['serving_cpu_s_per_1k_tokens']} s/1k tok  "
+                        f"client stalls {res['client_stalls']['stalls']} (max {res['client_stalls']['max_ms']} ms)")
         finally:
             server.stop()
     for arms_of in results.values():
@@ -212,15 +217,18 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def run_serve_bench(settings: EngineSettings, config: dict, workloads: dict[str, Workload], arms: list[str],
-                    runs: int, workdir: Path, seed: int = 0, log=print) -> dict:
+                    runs: int, workdir: Path, seed: int = 0, log=print, client_nice: int | None = None) -> dict:
+    """`client_nice`: the benchmark client's CPU priority while it measures each arm
+    (client_clock.client_priority); None: left as it is."""
     workdir.mkdir(parents=True, exist_ok=True)
     per_run = []
     with stop_servers_on_signals():
         for i in range(runs):
             log(f"run {i + 1}/{runs}")
-            per_run.append(one_run(arms, settings, config, workloads, workdir, seed, log))
+            per_run.append(one_run(arms, settings, config, workloads, workdir, seed, log, client_nice))
     checks = [targets(r) for r in per_run]
-    return {"settings": asdict(settings), "workloads_spec": {k: asdict(w) for k, w in workloads.items()},
+    return {"settings": {**asdict(settings), "client_nice": client_nice},
+            "workloads_spec": {k: asdict(w) for k, w in workloads.items()},
             "runs": runs, "workloads": summarize(per_run), "targets_per_run": checks,
             "targets_met_in_every_run": bool(checks) and all(all(c.values()) for c in checks)}
 

@@ -63,6 +63,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         out: Optional[Path] = typer.Option(None, help="Write the JSON here too."),
         plot: Optional[Path] = typer.Option(None, help="Write a PNG bar chart here."),
         workdir: Path = typer.Option(Path("artifacts/bench-serve"), help="Server logs and configs."),
+        client_nice: Optional[int] = typer.Option(None, "--client-nice", help="The benchmark client's CPU priority "
+                                                  "against the servers it measures (-20..0; negative needs root), "
+                                                  "every arm alike: on a small box the client shares the cores "
+                                                  "(docs/serving.md). Default: left as it is."),
     ) -> None:
         """vLLM's serving benchmark against stock vLLM, Ray Serve LLM and kvtier (tier full, and auto
         routing) on the same engine settings; prints JSON (tok/s, TTFT, TPOT, preemptions, failed, serving
@@ -82,6 +86,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         bad = set(arms.split(",")) - {"stock", "rayllm", "full", "auto"}
         if bad:
             raise typer.BadParameter(f"unknown arms {sorted(bad)}", param_hint="--arms")
+        if client_nice is not None:   # refused here, before any server starts, if it cannot be applied
+            from kvtier.benchmarks.client_clock import client_priority
+            try:
+                with client_priority(client_nice) as how:
+                    typer.echo(f"benchmark client while it measures: {how}", err=True)
+            except (ValueError, PermissionError) as e:
+                raise typer.BadParameter(str(e), param_hint="--client-nice") from None
         result = run_serve_bench(settings, cfg.model_dump(mode="json"), chosen, arms.split(","), runs, workdir,
-                                 log=lambda m: typer.echo(m, err=True))
+                                 log=lambda m: typer.echo(m, err=True), client_nice=client_nice)
         emit(result, out, plot, draw)
