@@ -1,8 +1,8 @@
 """The benchmark client's own clock: when it could not run, and its CPU priority.
 
 Why: on a small box the load generator shares the cores with the servers it measures. Measured on a 2-core
-VM (docs/serving.md, "Fifth pass"): with kvtier's direct ingress every request's first byte left the router
-134-145 ms after the request arrived, yet the client read one or two of 64 a further 200-300 ms later,
+VM (docs/serving.md, "Fifth pass"): with kvtier's direct ingress the router sent every request's first chunk
+135-147 ms after the client's POST, yet the client read one or two of 64 a further 200-240 ms later,
 while a thread in the client woke 264-366 ms late having used ~0 CPU: the client process was not scheduled.
 A p99 over 64 requests is its worst request or two, so such a stall decides the idle p99. `StallWatch`
 reports these stalls per arm (so a reader can tell the client's from the server's), and `client_priority`
