@@ -126,13 +126,12 @@ def run_arm(arm: str, model: str, shape: RLBenchShape, workdir: Path, echo=print
 
 def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path, plot: str | None = None,
                  echo=print) -> dict:
-    from kvtier.rollout.cpu.rl_smoke import LEARNER_DTYPES
+    from kvtier.rollout.cpu.rl_smoke import check_learner_dtype
 
     bad = [a for a in arms if a not in ARMS]
     if bad:
         raise ValueError(f"unknown arm(s) {bad}; choose from {ARMS}")
-    if shape.learner_dtype not in LEARNER_DTYPES:   # before the start checkpoint's evaluation, not after it
-        raise ValueError(f"learner_dtype must be one of {LEARNER_DTYPES}, not {shape.learner_dtype!r}")
+    check_learner_dtype(shape.learner_dtype)   # before the start checkpoint's evaluation, not after it
     workdir.mkdir(parents=True, exist_ok=True)
     start = heldout_accuracy(model, shape, workdir / "heldout-start")
     echo(json.dumps({"heldout_start": start}))

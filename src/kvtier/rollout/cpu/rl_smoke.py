@@ -56,6 +56,13 @@ METRIC_PREFIX = {"v1": "", "v0": "timing_s/"}
 # update_actor was ~55 s of a ~75-100 s step. The rollout engine stays bf16 either way.
 LEARNER_DTYPES = ("fp32", "bf16")
 
+
+def check_learner_dtype(learner_dtype: str) -> None:
+    """ValueError naming the allowed values unless `learner_dtype` is one of LEARNER_DTYPES."""
+    if learner_dtype not in LEARNER_DTYPES:
+        raise ValueError(f"learner_dtype must be one of {LEARNER_DTYPES}, not {learner_dtype!r}")
+
+
 def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, batch_size: int, n: int,
               prompt_length: int, response_length: int, budget: int | None, buffer: int, kv_cache_mb: int, lr: float,
               env_vars: dict[str, str], trainer: str = "v1", reward: Path | None = None,
@@ -64,8 +71,7 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
     `learner`: dense, or replay (the actor scores each sample under its own eviction,
     kvtier.rollout.learner_replay); `learner_dtype`: the actor's and reference's compute dtype
     (LEARNER_DTYPES)."""
-    if learner_dtype not in LEARNER_DTYPES:
-        raise ValueError(f"learner_dtype must be one of {LEARNER_DTYPES}, not {learner_dtype!r}")
+    check_learner_dtype(learner_dtype)
     from kvtier.deathtime import ATTN_NAME
     from kvtier.rollout.learner_replay import MODEL_TYPE
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
