@@ -1,6 +1,7 @@
 """The benchmark client's own clock (benchmarks/client_clock.py): its stalls are recorded and told apart
 (its own work vs not scheduled at all), and its priority is applied only where asked and put back."""
 
+import json
 import os
 import signal
 import subprocess
@@ -30,12 +31,12 @@ def test_a_stall_of_the_process_own_work_is_recorded_with_its_cpu():
 
 
 CHILD = """
-import sys, time
+import json, sys, time
 from kvtier.benchmarks.client_clock import StallWatch
 with StallWatch(min_lag_s=0.05) as w:
     print("ready", flush=True)
     time.sleep(1.5)
-print(w.summary(), flush=True)
+print(json.dumps(w.summary()), flush=True)
 """
 
 
@@ -47,7 +48,7 @@ def test_a_descheduled_process_is_recorded_as_such():
     time.sleep(0.4)
     os.kill(child.pid, signal.SIGCONT)
     out, _ = child.communicate(timeout=30)
-    s = eval(out.strip().splitlines()[-1])
+    s = json.loads(out.strip().splitlines()[-1])
     assert s["max_ms"] >= 350 and s["descheduled_ms"] >= 350, s
 
 
