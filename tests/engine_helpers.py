@@ -31,15 +31,16 @@ REFERENCE_TOL = 0.06   # bf16 engine vs the fp32 masked reference
 CONTROL_MIN = 0.3      # without the masks the same tokens must score this differently somewhere
 
 
-def assert_matches_masked_reference(replay, out, records, buffer, *, prompt_len=None, control=True, what=""):
+def assert_matches_masked_reference(replay, out, records, buffer, *, prompt_len=None, control=True, what="",
+                                    tol=REFERENCE_TOL):
     """The engine's sampled-token log-probs equal the masked reference's (transformers under the logged
-    keep-sets, `kvtier.reference.MaskedReplay`) within REFERENCE_TOL. control: and without the masks they
+    keep-sets, `kvtier.reference.MaskedReplay`) within `tol`. control: and without the masks they
     differ by more than CONTROL_MIN after the first round, so the comparison has power."""
     plen = len(out.prompt_token_ids) if prompt_len is None else prompt_len
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
     eng = engine_logprobs(out)
     err = (eng - replay.logprobs(ids, plen, records, buffer)).abs()
-    assert err.max() < REFERENCE_TOL, f"{what}max |engine - masked reference| = {err.max():.4f}"
+    assert err.max() < tol, f"{what}max |engine - masked reference| = {err.max():.4f}"
     if control:
         dense = (eng - replay.logprobs(ids, plen, [], buffer)).abs()[first_round_row(records, plen):]
         assert dense.max() > CONTROL_MIN, "eviction did not change attention; the comparison proves nothing"

@@ -6,6 +6,7 @@ asserted: speed claims come from the benchmark runs (results/serve-*.json)."""
 import json
 
 import pytest
+import yaml
 
 from test_benchmarks import run_json
 
@@ -18,13 +19,17 @@ PROMPTS, OUTPUT = 6, 300
 
 def test_bench_serve_stock_vs_kvtier(tmp_path):
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
-    # 4 MiB = 16 blocks of 128 tokens: 6 x (32 + 300) tokens need 18 blocks at the end under full attention;
-    # tier k128 (r=32) holds at most 32 + 128 + 64 tokens = 2 blocks per request
-    r = run_json(["bench", "serve", "--arms", "stock,full,auto", "--workloads", "long",
-                  "--long", f"{PROMPTS}x32x{OUTPUT}@{PROMPTS}", "--kv-cache-bytes", "4MiB", "--max-model-len", "1024",
+    # float32 (every arm; what a CPU without AVX512-BF16/AMX runs): 8 MiB = 16 blocks of 128 tokens at 4 KiB
+    # per token; 6 x (32 + 300) tokens need 18 blocks at the end under full attention; tier k128 (r=32)
+    # holds at most 32 + 128 + 64 tokens = 2 blocks per request
+    r = run_json(["bench", "serve", "--arms", "stock,full,auto", "--workloads", "long", "--dtype", "float32",
+                  "--long", f"{PROMPTS}x32x{OUTPUT}@{PROMPTS}", "--kv-cache-bytes", "8MiB", "--max-model-len", "1024",
                   "--workdir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)])
     assert json.loads(out.read_text()) == r and plot.stat().st_size > 1000
     assert r["settings"]["max_num_seqs"] == 8            # `auto`: 16 blocks / 2 per k128 request
+    assert {"cpu", "cores", "isa", "torch", "vllm"} <= set(r["settings"]["machine"]) and "commit" in r["settings"]
+    assert r["settings"]["dtype"] == "float32"            # kvtier's arms got it (stock's CLI: test_cpu_dtype)
+    assert yaml.safe_load((tmp_path / "work" / "kvtier.yaml").read_text())["engines"]["cpu"]["engine_kwargs"]["dtype"] == "float32"
     assert r["settings"]["client_nice"] is None
     arms = r["workloads"]["long"]["arms"]
     assert set(arms) == {"stock", "full", "auto"}

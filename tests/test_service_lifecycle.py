@@ -69,6 +69,11 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background, in
         # `kvtier serve` (`make serve TINY=1`) shows the batch limit the embedded config's
         # `max_num_seqs: auto` resolved to
         assert "engine cpu        max_num_seqs 128 (max_num_seqs auto = 128: 256 blocks" in log, log[:3000]
+        # and, on a CPU without AVX512-BF16/AMX, that its bfloat16 matmuls take torch's slow path
+        from kvtier.engine.cpu_dtype import bf16_slow_path_note
+
+        note = bf16_slow_path_note(None, "cpu")
+        assert ("engine cpu        dtype bfloat16 on a CPU without AVX512-BF16/AMX" in log) == (note is not None), log[:3000]
         match = re.search(r"local Ray session (\S+)", log)
         assert match, log[-3000:]
         session = match.group(1)

@@ -328,6 +328,9 @@ def test_auto_max_num_seqs_fills_the_pool_with_the_smallest_tiers_bound():
     # small: K=256 r=64 -> 128 + 256 + 128 = 512 tokens = 4 blocks -> 64
     assert auto_max_num_seqs(cfg, "cpu", path)[0] == 64
     assert resolved_engine_kwargs(cfg, "cpu", path)[0]["max_num_seqs"] == 64
+    # float32: 4 bytes per KV value, half the blocks in the same bytes -> 32
+    cfg.engines["cpu"].engine_kwargs["dtype"] = "float32"
+    assert auto_max_num_seqs(cfg, "cpu", path)[0] == 32 and "128 blocks" in auto_max_num_seqs(cfg, "cpu", path)[1]
     # no fixed pool: vLLM's default; a number is left alone
     cfg = make_cfg(engines={"cpu": {"model": "tiny", "max_model_len": 4096, "engine_kwargs": {"max_num_seqs": "auto"}}})
     assert "max_num_seqs" not in resolved_engine_kwargs(cfg, "cpu", path)[0]

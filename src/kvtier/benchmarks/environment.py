@@ -20,11 +20,9 @@ def _cpu_model() -> str:
 
 def _isa() -> list[str]:
     """The CPU features vLLM's CPU attention picks its layout from."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    have = set(flags.split(":", 1)[1].split())
+    from kvtier.engine.cpu_dtype import cpu_flags
+
+    have = cpu_flags()
     return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in have]
 
 

@@ -131,7 +131,8 @@ def kvtier_config(base: dict, settings: EngineSettings) -> dict:
     (name, eng), = cfg["engines"].items()
     eng.update(kv_cache_bytes=settings.kv_cache_bytes, max_model_len=settings.max_model_len, model_id=settings.model_id,
                enable_prefix_caching=settings.prefix_caching)
-    eng.setdefault("engine_kwargs", {}).update(max_num_seqs=settings.max_num_seqs, enforce_eager=True)
+    eng.setdefault("engine_kwargs", {}).update(max_num_seqs=settings.max_num_seqs, enforce_eager=True,
+                                              dtype=settings.dtype)
     cfg.setdefault("server", {}).pop("port", None)
     return cfg
 
@@ -220,6 +221,9 @@ def run_serve_bench(settings: EngineSettings, config: dict, workloads: dict[str,
                     runs: int, workdir: Path, seed: int = 0, log=print, client_nice: int | None = None) -> dict:
     """`client_nice`: the benchmark client's CPU priority while it measures each arm
     (client_clock.client_priority); None: left as it is."""
+    from .environment import machine_and_commit
+
+    where = machine_and_commit()          # at the start: the code that runs, not what is checked out at the end
     workdir.mkdir(parents=True, exist_ok=True)
     per_run = []
     with stop_servers_on_signals():
@@ -227,7 +231,7 @@ def run_serve_bench(settings: EngineSettings, config: dict, workloads: dict[str,
             log(f"run {i + 1}/{runs}")
             per_run.append(one_run(arms, settings, config, workloads, workdir, seed, log, client_nice))
     checks = [targets(r) for r in per_run]
-    return {"settings": {**asdict(settings), "client_nice": client_nice},
+    return {"settings": {**asdict(settings), "client_nice": client_nice, **where},
             "workloads_spec": {k: asdict(w) for k, w in workloads.items()},
             "runs": runs, "workloads": summarize(per_run), "targets_per_run": checks,
             "targets_met_in_every_run": bool(checks) and all(all(c.values()) for c in checks)}

@@ -9,10 +9,14 @@ from typing import Optional
 import typer
 
 
+DTYPES = ("bfloat16", "float16", "float32")
+
+
 def engine_settings(config: Optional[Path], kv_cache_bytes: Optional[str], max_num_seqs: Optional[int],
-                    max_model_len: Optional[int], default: Optional[Path] = None):
+                    max_model_len: Optional[int], default: Optional[Path] = None, dtype: Optional[str] = None):
     """(service config, EngineSettings every arm gets) from a one-engine service YAML and the overrides;
-    `max_num_seqs: auto` is resolved as `kvtier serve` resolves it."""
+    `max_num_seqs: auto` is resolved as `kvtier serve` resolves it; the dtype is the engine's
+    `engine_kwargs.dtype` (kvtier's default bfloat16) unless overridden."""
     from kvtier.benchmarks.servers import EngineSettings
     from kvtier.service.app import resolve_model_path
     from kvtier.service.config import DEFAULT_CONFIG, load_config, parse_bytes
@@ -26,12 +30,17 @@ def engine_settings(config: Optional[Path], kv_cache_bytes: Optional[str], max_n
         eng.kv_cache_bytes = parse_bytes(kv_cache_bytes)
     if max_model_len is not None:
         eng.max_model_len = max_model_len
+    if dtype is not None:
+        eng.engine_kwargs["dtype"] = dtype
+    dtype = eng.engine_kwargs.get("dtype", "bfloat16")
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}", param_hint="--dtype")
     path = resolve_model_path(eng.model)
     seqs = max_num_seqs or resolved_engine_kwargs(cfg, name, path)[0].get("max_num_seqs")
     if eng.kv_cache_bytes is None or seqs is None:
         raise typer.BadParameter("the engine needs kv_cache_bytes and max_num_seqs (or auto) so every arm gets the same")
     return cfg, EngineSettings(model_path=path, model_id=cfg.model_id(name), kv_cache_bytes=eng.kv_cache_bytes,
-                               max_model_len=eng.max_model_len, max_num_seqs=int(seqs))
+                               max_model_len=eng.max_model_len, max_num_seqs=int(seqs), dtype=dtype)
 
 
 def emit(result: dict, out: Optional[Path], plot: Optional[Path], draw) -> None:
@@ -57,6 +66,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         kv_cache_bytes: Optional[str] = typer.Option(None, "--kv-cache-bytes", help="Override the engine's KV pool (e.g. 32MiB)."),
         max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Override (default: the config's, `auto` resolved)."),
         max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Override the engine's max_model_len."),
+        dtype: Optional[str] = typer.Option(None, "--dtype", help="Every arm's model (and KV cache) dtype: bfloat16, "
+                                            "float16 or float32 (default: the config's engine_kwargs.dtype, else "
+                                            "bfloat16). A CPU without AVX512-BF16/AMX runs bfloat16 matmuls on "
+                                            "torch's slow path: float32 there, with twice the KV bytes for the "
+                                            "same tokens (docs/serving.md)."),
         idle: str = typer.Option("64x64x32@1", help="idle workload (one request at a time; 64 so a p99 is not just the worst request): PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
         short: str = typer.Option("64x64x128@16", help="short workload: PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
         long: str = typer.Option("32x64x3000@32", help="long workload: PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
@@ -73,7 +87,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         CPU per 1k tokens, ratios to stock, and for kvtier's arms where the first token's time goes)."""
         from kvtier.benchmarks.serve import Workload, plot as draw, run_serve_bench
 
-        cfg, settings = engine_settings(config, kv_cache_bytes, max_num_seqs, max_model_len)
+        cfg, settings = engine_settings(config, kv_cache_bytes, max_num_seqs, max_model_len, dtype=dtype)
         specs = {"idle": idle, "short": short, "long": long}
         chosen = {}
         for w in workloads.split(","):

@@ -5,7 +5,7 @@
 - `rayllm`: Ray Serve LLM's own OpenAI app (`build_openai_app`, see serve_rayllm.py);
 - `full` / `auto`: `kvtier serve` (the arm decides the tier per request: a header, or kvtier's routing).
 
-All get the same model, KV bytes, max_model_len, max_num_seqs and eager mode. `ServerProcess` also keeps
+All get the same model, dtype, KV bytes, max_model_len, max_num_seqs and eager mode. `ServerProcess` also keeps
 the CPU time of every process of its tree, so a run can say where the CPU went (engine core vs the rest).
 """
 
@@ -38,16 +38,17 @@ class EngineSettings:
     max_model_len: int
     max_num_seqs: int
     prefix_caching: bool = False   # vLLM's prefix caching, the same in every arm
+    dtype: str = "bfloat16"        # the model's (and so the KV cache's) dtype, the same in every arm
 
     def vllm_cli(self) -> list[str]:
         return ["--model", self.model_path, "--served-model-name", self.model_id,
                 "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-                "--max-num-seqs", str(self.max_num_seqs), "--enforce-eager", "--dtype", "bfloat16",
+                "--max-num-seqs", str(self.max_num_seqs), "--enforce-eager", "--dtype", self.dtype,
                 "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
 
     def engine_kwargs(self) -> dict:
         return {"max_model_len": self.max_model_len, "kv_cache_memory_bytes": self.kv_cache_bytes,
-                "max_num_seqs": self.max_num_seqs, "enforce_eager": True, "dtype": "bfloat16",
+                "max_num_seqs": self.max_num_seqs, "enforce_eager": True, "dtype": self.dtype,
                 "enable_prefix_caching": self.prefix_caching}
 
 

@@ -106,11 +106,16 @@ def serve_command(
         typer.echo(f"  routing auto   measured: {measured['auto']}")
     for name, eng in cfg.engines.items():
         from .app import resolve_model_path
+        from kvtier.engine.cpu_dtype import bf16_slow_path_note
+
         from .sizing import resolved_engine_kwargs
 
         kwargs, why = resolved_engine_kwargs(cfg, name, resolve_model_path(eng.model))
         typer.echo(f"  engine {name:<10} max_num_seqs {kwargs.get('max_num_seqs', 'vLLM default')}"
                    + (f" ({why})" if why else ""))
+        note = bf16_slow_path_note(kwargs.get("dtype"), eng.accelerator)
+        if note:
+            typer.echo(f"  engine {name:<10} {note}")
     if cfg.open_mode:
         typer.echo("kvtier serve: OPEN MODE - no API keys configured; anyone who can reach the port may use every tier")
     stop_event = threading.Event()

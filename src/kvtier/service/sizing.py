@@ -20,6 +20,8 @@ from .config import ServiceConfig
 
 MAX_AUTO_SEQS = 256            # vLLM's own default batch limit on a GPU
 CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16   # vLLM 0.31's default block sizes per platform
+# Bytes per KV value for the model dtypes an engine may be given (the KV cache follows the model's dtype).
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 
 
 def kv_bytes_per_token(model: str | Path | Mapping[str, Any], dtype_bytes: int = 2) -> int:
@@ -40,7 +42,8 @@ def auto_max_num_seqs(cfg: ServiceConfig, engine: str, model_path: str) -> tuple
     if eng.kv_cache_bytes is None or not tiers:
         return None, "vLLM's default (no kv_cache_bytes or no compressed auto tier to size from)"
     block = int(eng.engine_kwargs.get("block_size") or (CPU_BLOCK_SIZE if eng.accelerator == "cpu" else GPU_BLOCK_SIZE))
-    total_blocks = eng.kv_cache_bytes // (kv_bytes_per_token(model_path) * block)
+    dtype_bytes = DTYPE_BYTES.get(str(eng.engine_kwargs.get("dtype", "bfloat16")), 2)
+    total_blocks = eng.kv_cache_bytes // (kv_bytes_per_token(model_path, dtype_bytes) * block)
     t = tiers[0]
     bound = int((1.0 - cfg.routing.min_trace_share) * t.budget) + t.budget + 2 * t.buffer
     per_request = math.ceil(bound / block)
