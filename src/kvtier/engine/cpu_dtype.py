@@ -27,7 +27,7 @@ def bf16_slow_path_note(dtype: str | None, accelerator: str, flags: set[str] | N
     """One line for an engine given `dtype` (None: kvtier's default, bfloat16) on `accelerator` when its
     matmuls would take torch's slow bf16 path on this CPU; None when they would not (GPU, float32, or a CPU
     with AVX512-BF16/AMX, or no /proc/cpuinfo to tell)."""
-    if accelerator != "cpu" or (dtype or "bfloat16") not in ("bfloat16", "bf16"):
+    if accelerator != "cpu" or (dtype or "bfloat16") != "bfloat16":
         return None
     flags = cpu_flags() if flags is None else flags
     if not flags or any(f in flags for f in NATIVE_BF16_FLAGS):
