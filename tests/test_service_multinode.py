@@ -73,7 +73,7 @@ def cluster(tmp_path_factory):
 def test_engines_run_on_the_worker_node(cluster, tmp_path):
     address, env = cluster
     config = {
-        "server": {"ray_address": address, "load_poll_s": 1.0},
+        "server": {"ray_address": address, "load_poll_s": 1.0, "auth": "open"},
         "engines": {"cpu": {
             "model": "tiny", "model_id": "tiny", "max_model_len": 1024, "kv_cache_bytes": "16MiB",
             "engine_kwargs": {"max_num_seqs": 4, "enforce_eager": True},

@@ -1,10 +1,9 @@
-"""The service's pure parts: config validation, the routing rule, API keys -> tenants (no Ray, no vLLM)."""
+"""The service's pure parts: config validation, the routing rule (no Ray, no vLLM); API keys: test_service_auth.py."""
 
 from pathlib import Path
 
 import pytest
 
-from kvtier.service.auth import OPEN_TENANT, Authenticator, AuthError
 from kvtier.service.config import ConfigError, load_config, parse_bytes, parse_config
 from kvtier.service.routing import EngineLoad, RequestShape, RouteError, aggregate_loads, engine_load, kv_bound, route
 
@@ -187,7 +186,8 @@ def test_models_unknown_and_required():
         decide(cfg, 10, 10, model="gpt-4")
     assert (e.value.status, e.value.reason) == (404, "unknown-model")
     two = make_cfg(engines={"a": {"model_id": "m1", "max_model_len": 4096}, "b": {"model_id": "m2", "max_model_len": 4096}},
-                   tiers=[{"name": "x", "engine": "a"}, {"name": "y", "engine": "b", "budget": 256}], tenants={})
+                   tiers=[{"name": "x", "engine": "a"}, {"name": "y", "engine": "b", "budget": 256}], tenants={},
+                   server={"auth": "open"})
     with pytest.raises(RouteError) as e:
         decide(two, 10, 10, allowed={"x", "y"})
     assert e.value.reason == "model-required"
@@ -234,7 +234,7 @@ def test_pressure_fallback_across_engines():
     cfg = make_cfg(
         engines={"a": {"model_id": "m", "max_model_len": 4096}, "b": {"model_id": "m", "max_model_len": 4096}},
         tiers=[{"name": "full", "engine": "a"}, {"name": "k1", "engine": "b", "budget": 1024},
-               {"name": "k2", "engine": "b", "budget": 512}], tenants={})
+               {"name": "k2", "engine": "b", "budget": 512}], tenants={}, server={"auth": "open"})
     tiers = {"full", "k1", "k2"}
     hot = EngineLoad(kv_usage=0.99)
     d = decide(cfg, 600, 3000, allowed=tiers, loads={"a": hot})
@@ -259,31 +259,6 @@ def test_engine_load_aggregates_every_replica():
     assert cool.kv_usage == pytest.approx(0.3) and not cool.pressured(make_cfg().engines["cpu"].pressure)  # 3 < 4
     assert engine_load(aggregate_loads({"r1": a})).kv_usage == pytest.approx(0.9)      # one replica: its own
     assert aggregate_loads({})["kv_usage"] == 0.0
-
-
-# -- API keys --------------------------------------------------------------------------------------------
-def test_open_mode_without_keys():
-    cfg = make_cfg(tenants={})
-    auth = Authenticator(cfg)
-    assert auth.open_mode
-    t = auth.tenant(None)
-    assert t.name == OPEN_TENANT and t.tiers == ALL
-    assert auth.tenant("Bearer anything").name == OPEN_TENANT
-
-
-def test_keys_map_to_tenants_and_their_tiers(monkeypatch):
-    monkeypatch.setenv("TEAM_KEYS", "sk-c1, sk-c2")
-    cfg = make_cfg(tenants={"alice": {"api_keys": ["sk-a"], "tiers": ["full", "small"]},
-                            "carol": {"api_keys_env": "TEAM_KEYS"}},
-                   tiers=[{"name": "full", "engine": "cpu"}, {"name": "small", "engine": "cpu", "budget": 256},
-                          {"name": "vip", "engine": "cpu", "budget": 1024, "tenants": ["carol"]}])
-    auth = Authenticator(cfg)
-    assert not auth.open_mode
-    assert auth.tenant("Bearer sk-a").tiers == {"full", "small"}
-    assert auth.tenant("bearer sk-c2").tiers == {"full", "small", "vip"}
-    for header in (None, "", "Basic sk-a", "Bearer", "Bearer sk-x"):
-        with pytest.raises(AuthError):
-            auth.tenant(header)
 
 
 # -- CLI (no Ray started) ----------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ pytestmark = [
 
 MODEL = "tiny"
 CONFIG = {
-    "server": {"load_poll_s": 0.5, "request_timeout_s": 120},
+    "server": {"load_poll_s": 0.5, "request_timeout_s": 120, "auth": "open"},
     "engines": {"cpu": {
         "model": "tiny", "model_id": MODEL, "max_model_len": 2048, "kv_cache_bytes": "32MiB",
         "engine_kwargs": {"max_num_seqs": 16, "enforce_eager": True},

@@ -1,4 +1,4 @@
-"""API keys -> tenants -> allowed tiers. No key configured anywhere: open mode (every tier, no check)."""
+"""API keys -> tenants -> allowed tiers. `server.auth: open`: open mode (every tier, no check), never otherwise."""
 
 from __future__ import annotations
 
@@ -28,12 +28,13 @@ class Authenticator:
         all_tiers = frozenset(t.name for t in cfg.tiers)
         self._open = Tenant(OPEN_TENANT, all_tiers)
         self._keys: list[tuple[bytes, Tenant]] = []
+        keys = cfg.api_keys()   # ConfigError when a tenant's api_keys_env is unset or empty: no start
         for name, tc in cfg.tenants.items():
             allowed = frozenset(
                 t.name for t in cfg.tiers
                 if (tc.tiers == "*" or t.name in tc.tiers) and (t.tenants == "*" or name in t.tenants))
             tenant = Tenant(name, allowed)
-            self._keys += [(key.encode(), tenant) for key in tc.keys()]
+            self._keys += [(key.encode(), tenant) for key in keys[name]]
 
     def tenant(self, authorization: str | None) -> Tenant:
         """The caller's tenant from an `Authorization: Bearer <key>` header."""

@@ -118,14 +118,8 @@ class TenantConfig(_Model):
     """API keys (bearer tokens) of one tenant and the tiers it may use."""
 
     api_keys: list[str] = Field(default_factory=list)
-    api_keys_env: str | None = None                 # env var holding comma-separated keys
+    api_keys_env: str | None = None                 # env var holding comma-separated keys (read at start-up)
     tiers: list[str] | Literal["*"] = "*"
-
-    def keys(self) -> list[str]:
-        keys = list(self.api_keys)
-        if self.api_keys_env:
-            keys += [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()]
-        return keys
 
 
 class RoutingConfig(_Model):
@@ -169,6 +163,9 @@ class ServerConfig(_Model):
     # this CPU (docs/serving.md): direct takes ~25 ms off the idle mean time to first token but under a
     # 16-request burst varied from 0.97x to 0.51x stock's tok/s across runs, so the default stays the proxy.
     ingress: Literal["auto", "proxy", "direct"] = "proxy"
+    # "keys": only callers with a tenant's API key, and no start without one configured (fail closed).
+    # "open": every caller gets every tier without a key; an explicit choice for local demos, never inferred.
+    auth: Literal["keys", "open"] = "keys"
 
     @model_validator(mode="after")
     def _direct_ingress_is_local(self):
@@ -227,6 +224,14 @@ class ServiceConfig(_Model):
                 if key in seen:
                     raise ValueError(f"tenants {seen[key]!r} and {name!r} share an API key")
                 seen[key] = name
+        # Static only: api_keys_env is read where the keys are used (api_keys()), since configs are also
+        # validated where the variables are absent (kvtier k8s serve-config, tests).
+        if self.server.auth == "open" and self.tenants:
+            raise ValueError(f"server.auth 'open' serves every caller every tier without a key, yet tenants "
+                             f"{sorted(self.tenants)} are configured: remove them or set `server.auth: keys`")
+        if self.server.auth == "keys" and not any(t.api_keys or t.api_keys_env for t in self.tenants.values()):
+            raise ValueError("server.auth 'keys' (the default) needs API keys: configure tenants with api_keys or "
+                             "api_keys_env, or set `server.auth: open` to serve without authentication")
         return self
 
     # -- derived views ---------------------------------------------------------------------------
@@ -242,8 +247,25 @@ class ServiceConfig(_Model):
 
     @property
     def open_mode(self) -> bool:
-        """No API key configured anywhere: every caller is the anonymous tenant with every tier."""
-        return not any(t.keys() for t in self.tenants.values())
+        """`server.auth: open`: every caller is the anonymous tenant with every tier."""
+        return self.server.auth == "open"
+
+    def api_keys(self) -> dict[str, list[str]]:
+        """Each tenant's API keys, its api_keys_env read from this process's environment now: call it where
+        the keys are used at start-up (kvtier serve, the router replica). A variable that is unset or holds no
+        key is a ConfigError naming it: it would leave the tenant without keys, silently."""
+        out = {}
+        for name, t in self.tenants.items():
+            keys = list(t.api_keys)
+            if t.api_keys_env:
+                found = [k.strip() for k in os.environ.get(t.api_keys_env, "").split(",") if k.strip()]
+                if not found:
+                    why = "is not set" if t.api_keys_env not in os.environ else "holds no key"
+                    raise ConfigError(f"tenant {name!r}: api_keys_env {t.api_keys_env} {why} in this environment "
+                                      "(expected the tenant's comma-separated API keys)")
+                keys += found
+            out[name] = keys
+        return out
 
 
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

@@ -58,7 +58,7 @@ class KVTierRouter:
         from .tokens import PromptCounter
 
         self.cfg = ServiceConfig.model_validate(config)
-        self.auth = Authenticator(self.cfg)
+        self.auth = Authenticator(self.cfg)   # reads api_keys_env here: unset or empty fails the replica's start
         self.metrics = RouterMetrics()
         self.engines = engines
         self.streams = {name: h.options(stream=True) for name, h in engines.items()}
@@ -197,12 +197,20 @@ class KVTierRouter:
         return ModelList(data=cards)
 
     @app.get("/health")
-    async def health(self):
+    async def health(self, request: Request):
+        """Liveness for anyone (probes send no key): 200 ok / 503 degraded and nothing more. The detail (auth
+        mode, each engine's health and last error text) only to a caller with a valid key, or to every caller
+        in open mode, where anyone may read /v1/kvtier/stats too."""
         engines = {n: {"healthy": s.get("healthy", True), "error": s.get("error")}
                    for n, s in self.engine_health.state.items()}
         ok = all(e["healthy"] for e in engines.values())
-        return JSONResponse({"status": "ok" if ok else "degraded", "open_mode": self.auth.open_mode, "engines": engines},
-                            status_code=200 if ok else 503)
+        body: dict[str, Any] = {"status": "ok" if ok else "degraded"}
+        try:
+            self.auth.tenant(request.headers.get("authorization"))
+            body.update(open_mode=self.auth.open_mode, engines=engines)
+        except AuthError:
+            pass
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/kvtier/stats")
     async def stats(self, request: Request, eviction: bool = False, ttft_since: float | None = None):
