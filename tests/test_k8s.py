@@ -191,10 +191,37 @@ def test_serve_config_is_a_ray_serve_config_with_kvtier_args(target):
     cfg = ServiceConfig.model_validate(app.args)       # what `kvtier serve` validates its YAML with
     assert cfg.server.app_name == app.name
     assert cfg.server.port == schema.http_options.port
-    assert cfg.tenants, "no tenants: the service would run in open mode"
     for name, tenant in cfg.tenants.items():
         assert not tenant.api_keys, f"tenant {name}: API keys belong in the Secret, not in the manifest"
         assert tenant.api_keys_env, f"tenant {name}: api_keys_env missing"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_serve_config_never_runs_open(target, monkeypatch):
+    """server.auth keys with keyed tenants; validated without the Secret's variables, the router replica
+    refuses to start while one is unset (issue #41)."""
+    from kvtier.service.config import ConfigError, parse_config
+
+    args = serve_config(target)["applications"][0]["args"]
+    envs = sorted({t.get("api_keys_env") for t in args.get("tenants", {}).values()} - {None})
+    for env in envs:
+        monkeypatch.delenv(env, raising=False)
+    cfg = parse_config(args, target)
+    assert cfg.server.auth == "keys" and not cfg.open_mode
+    assert envs, "no tenant with keys configured"
+    with pytest.raises(ConfigError, match=f"api_keys_env ({'|'.join(envs)}) is not set"):
+        cfg.api_keys()
+
+
+def test_an_overlay_of_an_open_demo_config_must_say_auth_keys():
+    """cpu-dev comes from local.yaml (server.auth: open): without its `auth: keys` override, generating it fails."""
+    from kvtier.service import k8s_config
+
+    ov = k8s_config.load_overlays(REPO)["cpu-dev"]
+    assert ov.overrides["server"]["auth"] == "keys"
+    open_dev = k8s_config.Overlay("cpu-dev", ov.source, {**ov.overrides, "server": {"host": "0.0.0.0"}})
+    with pytest.raises(k8s_config.K8sConfigError, match=r"server\.auth 'open'.*\['dev'\]"):
+        k8s_config.generate_args(open_dev, REPO)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -512,6 +539,35 @@ def test_gpu_overlay_pins_h100_h200_nodes_and_sizes_the_worker_group():
     assert "full" in budgets.values() and len({b for b in budgets.values() if b != "full"}) >= 3
     hf = [e for e in c["env"] if e["name"] == "HF_TOKEN"]
     assert hf and hf[0]["valueFrom"]["secretKeyRef"]["name"] == "kvtier-hf-token"
+
+
+@pytest.mark.parametrize("overlay", ["cpu-dev", "gpu"])
+def test_worker_pods_run_the_engine_check_on_the_serve_config_before_ray(overlay, tmp_path):
+    """Each worker pod's init container runs `kvtier engine check` on the serve config the RayService runs,
+    mounted from its ConfigMap, with the worker's device (a GPU on the gpu overlay); the command's own
+    target resolution reads that file (no engine is built here)."""
+    from kvtier.evaluation.engine_check.target import from_service_config
+
+    objs = render(overlay)
+    (group,) = one(objs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    pod = group["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"][:3] == ["kvtier", "engine", "check"] and init["image"] == pod["containers"][0]["image"]
+    path = init["command"][init["command"].index("--config") + 1]
+    mount = next(m for m in init["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    cm = one(objs, "ConfigMap", volume["configMap"]["name"])
+    (item,) = volume["configMap"]["items"]
+    assert path == f"{mount['mountPath']}/{item['path']}"
+    assert yaml.safe_load(cm["data"][item["key"]]) == serve_config(overlay)
+    gpus = init["resources"]["limits"].get("nvidia.com/gpu")
+    assert gpus == pod["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")
+    assert (gpus == "1") == (overlay == "gpu")
+    copy = tmp_path / item["path"]
+    copy.write_text(cm["data"][item["key"]])
+    targets = from_service_config(copy)
+    assert len(targets) == len(serve_config(overlay)["applications"][0]["args"]["engines"])
+    assert all(t.tiny and "kvtier" in t.engine_kwargs["additional_config"] for t in targets)
 
 
 # -- monitoring ----------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """`kvtier generate`: offline generation on the compressed engine (the quickest way to see it work),
 `kvtier calibrate`: a TriAttention calibration file for the engine's requests, and `kvtier engine
-supported`: the table of tested configurations."""
+supported`: the table of tested configurations (`kvtier engine check`: evaluation/engine_check/cli.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,12 @@ import typer
 
 def register(app: typer.Typer) -> None:
     """Add `kvtier generate`, `kvtier calibrate` and `kvtier engine supported` to the `kvtier` CLI."""
-    engine_app = typer.Typer(no_args_is_help=True, help="The compressed engine's tested configurations.")
+    engine_app = typer.Typer(no_args_is_help=True, help="The compressed engine's tested configurations and "
+                             "its checks on this machine.")
     app.add_typer(engine_app, name="engine")
+    from kvtier.evaluation.engine_check.cli import register as register_check
+
+    register_check(engine_app)   # kvtier engine check
 
     @engine_app.command("supported")
     def supported(as_json: bool = typer.Option(False, "--json", help="Rows as JSON instead of a markdown table."),

@@ -33,14 +33,16 @@ def segments(records: list[dict], length: int) -> list[tuple[int, int, list[dict
 
 
 class MaskedReplay:
-    """The transformers model of `model_dir` (float32 by default) under the death-time attention."""
+    """The transformers model of `model_dir` (float32 by default) under the death-time attention, on
+    `device` (the CPU by default)."""
 
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
         register()
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=ATTN_NAME)
-        self.model.eval()
+        self.model.to(device).eval()
+        self.device = torch.device(device)
         cfg = self.model.config
         self.num_layers, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -52,8 +54,8 @@ class MaskedReplay:
     @torch.no_grad()
     def logits(self, token_ids: list[int], deaths: Tensor | None, **kwargs):
         """The model's forward over `token_ids` under `deaths` ([layers, kv_heads, N]; None: full attention)."""
-        ids = torch.tensor([token_ids])
-        extra = {} if deaths is None else {"kvtier_deaths": deaths.unsqueeze(0)}
+        ids = torch.tensor([token_ids], device=self.device)
+        extra = {} if deaths is None else {"kvtier_deaths": deaths.unsqueeze(0).to(self.device)}
         return self.model(input_ids=ids, **extra, **kwargs)
 
     @torch.no_grad()
@@ -67,6 +69,6 @@ class MaskedReplay:
             if lo >= hi:
                 continue
             deaths = self.deaths(recs, n, buffer) if recs else None
-            lp = torch.log_softmax(self.logits(token_ids, deaths).logits[0].float(), dim=-1)
+            lp = torch.log_softmax(self.logits(token_ids, deaths).logits[0].float().cpu(), dim=-1)
             rows[lo:hi] = lp[lo:hi].gather(1, targets[lo + 1 : hi + 1].unsqueeze(1)).squeeze(1)
         return rows[prompt_len - 1 : n - 1]

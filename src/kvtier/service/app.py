@@ -32,6 +32,16 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
+def vllm_engine_kwargs(eng: EngineConfig, vllm_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The vLLM engine arguments (model aside) one engine deployment runs with, kvtier's config attached;
+    vllm_kwargs: eng.engine_kwargs resolved (sizing.py). `kvtier engine check --config` checks these."""
+    from kvtier.engine.api import engine_kwargs
+
+    return engine_kwargs(eviction=eng.eviction, kv_cache_bytes=eng.kv_cache_bytes, max_model_len=eng.max_model_len,
+                         enable_prefix_caching=eng.enable_prefix_caching, worker_extension_cls=WORKER_EXTENSION,
+                         **(eng.engine_kwargs if vllm_kwargs is None else vllm_kwargs))
+
+
 def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, local_ray: bool = False,
                vllm_kwargs: dict[str, Any] | None = None, stream_interval_ms: float = 200,
                serving_nice: int | None = None):
@@ -39,11 +49,7 @@ def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, loc
     serving_nice: on a local Ray, the replica lowers its own priority once its engine is up (cpu_priority.py)."""
     from ray.serve.llm import LLMConfig
 
-    from kvtier.engine.api import engine_kwargs
-
-    kwargs = engine_kwargs(eviction=eng.eviction, kv_cache_bytes=eng.kv_cache_bytes, max_model_len=eng.max_model_len,
-                           enable_prefix_caching=eng.enable_prefix_caching, worker_extension_cls=WORKER_EXTENSION,
-                           **(eng.engine_kwargs if vllm_kwargs is None else vllm_kwargs))
+    kwargs = vllm_engine_kwargs(eng, vllm_kwargs)
     from .cpu_priority import NICE_ENV
 
     local = {**LOCAL_RAY_ENV, **({NICE_ENV: str(serving_nice)} if serving_nice else {})} if local_ray else {}

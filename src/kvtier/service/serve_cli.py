@@ -58,6 +58,21 @@ def example_tier(cfg, model_id: str, prompt: str | None, max_tokens: int) -> str
     return f"tier {d.tier.name} ({d.reason}) when the engine is not under KV pressure"
 
 
+def _check_engines(path: Path, engines: list[str]) -> None:
+    """`kvtier serve --check`: every engine's `kvtier engine check` before Ray starts; exit 1 on any FAIL."""
+    from kvtier.evaluation.engine_check.cli import EXIT_FAILED, check_service, report_lines
+
+    typer.echo(f"kvtier serve: checking {len(engines)} engine(s) on this machine (kvtier engine check) ...")
+    reports = check_service(path, engines)
+    for report in reports:
+        for line in report_lines(report):
+            typer.echo(line)
+    failed = [f"{r['target']}: {', '.join(r['failed'])}" for r in reports if not r["ok"]]
+    if failed:
+        typer.echo(f"kvtier serve: not starting, engine check FAILED ({'; '.join(failed)})", err=True)
+        raise typer.Exit(EXIT_FAILED)
+
+
 def serve_command(
     config: Optional[Path] = typer.Option(None, "--config", "-c",
                                           help="Service YAML (default: src/kvtier/configs/local.yaml)."),
@@ -70,6 +85,8 @@ def serve_command(
                                                     "--prometheus (default: src/kvtier/configs/prometheus.yml, 5 s)."),
     metrics_port: Optional[int] = typer.Option(None, help="Ray's metrics export port (server.metrics_export_port; "
                                                "8080 with --prometheus unless set)."),
+    check: bool = typer.Option(False, "--check", help="First run `kvtier engine check` for each engine on this "
+                               "machine; refuse to start on any FAIL, naming the check."),
 ) -> None:
     """Serve the OpenAI-compatible API with KV-memory tiers on Ray Serve."""
     from .config import DEFAULT_CONFIG, ConfigError, load_config
@@ -78,6 +95,7 @@ def serve_command(
     path = config or DEFAULT_CONFIG
     try:
         cfg = load_config(path)
+        cfg.api_keys()   # fail closed before Ray starts: a tenant's api_keys_env unset or empty (config.py)
     except ConfigError as exc:
         typer.echo(f"kvtier serve: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -117,7 +135,10 @@ def serve_command(
         if note:
             typer.echo(f"  engine {name:<10} {note}")
     if cfg.open_mode:
-        typer.echo("kvtier serve: OPEN MODE - no API keys configured; anyone who can reach the port may use every tier")
+        typer.echo("kvtier serve: OPEN MODE (server.auth: open) - no API keys; anyone who can reach the port may use "
+                   "every tier")
+    if check:
+        _check_engines(path, list(cfg.engines))
     stop_event = threading.Event()
     phase = {"now": "starting"}
 
