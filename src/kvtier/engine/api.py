@@ -20,8 +20,12 @@ def engine_kwargs(*, eviction: dict | EngineEvictionConfig | None = None, kv_cac
     """vLLM engine arguments for a compressed engine, kvtier config attached. Prefix caching is off unless
     enable_prefix_caching=True (the service and rollouts turn it on; in-process engines keep every prefill
     whole unless asked); with it on, compressed requests share only their protected prompt blocks."""
+    from .worker_ext import QUALNAME
+
     cfg = eviction if isinstance(eviction, EngineEvictionConfig) else EngineEvictionConfig.model_validate(eviction or {})
-    out = {"enable_prefix_caching": False, "dtype": "bfloat16", **kwargs}
+    # kvtier's worker extension: eviction_stats reads the counters by name, no pickled function crosses into
+    # vLLM's engine process (which refuses those unless VLLM_ALLOW_INSECURE_SERIALIZATION=1)
+    out = {"enable_prefix_caching": False, "dtype": "bfloat16", "worker_extension_cls": QUALNAME, **kwargs}
     extra = dict(out.pop("additional_config", None) or {})
     extra["kvtier"] = cfg.model_dump(mode="json")
     out["additional_config"] = extra
@@ -59,10 +63,18 @@ def sampling_extra_args(**fields: Any) -> dict[str, Any]:
 
 
 def eviction_stats(llm, request_ids: list[str] | None = None) -> dict:
-    """Counters from the (single) worker: engine totals and per-request counters."""
-    from .worker_ext import worker_eviction_stats
+    """Counters from the (first) worker: engine totals and per-request counters. Read by name through kvtier's
+    worker extension (engine_kwargs sets it); an engine built with another extension (or none) is asked with
+    a pickled function, which a multiprocess engine accepts only with VLLM_ALLOW_INSECURE_SERIALIZATION=1."""
+    import importlib
 
-    results = llm.collective_rpc(worker_eviction_stats, args=(request_ids,))
+    from .worker_ext import KVTierWorkerExtension, worker_eviction_stats
+
+    ext = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls
+    module, _, name = (ext or "").rpartition(".")
+    by_name = bool(ext) and issubclass(getattr(importlib.import_module(module), name), KVTierWorkerExtension)
+    results = (llm.collective_rpc("kvtier_eviction_stats", args=(request_ids,)) if by_name
+               else llm.collective_rpc(worker_eviction_stats, args=(request_ids,)))
     if not results or results[0] is None:
         raise RuntimeError("this engine has no kvtier eviction (additional_config.kvtier missing)")
     return results[0]

@@ -72,7 +72,6 @@ def from_service_config(path: Path, engine: str | None = None, model: str | None
 def from_model(model: str | None, engine_kwargs_json: str | None) -> CheckTarget:
     """`--model DIR --engine-kwargs JSON` (either may be left out: the tiny model, kvtier's defaults)."""
     from kvtier.engine.api import engine_kwargs
-    from kvtier.engine.worker_ext import QUALNAME
 
     try:
         given = json.loads(engine_kwargs_json) if engine_kwargs_json else {}
@@ -82,14 +81,13 @@ def from_model(model: str | None, engine_kwargs_json: str | None) -> CheckTarget
         raise ValueError("--engine-kwargs must be a JSON object of vLLM engine arguments")
     extra = dict(given.pop("additional_config", None) or {})
     eviction = extra.pop("kvtier", None)
-    kwargs = engine_kwargs(eviction=eviction, worker_extension_cls=QUALNAME, **given,
+    kwargs = engine_kwargs(eviction=eviction, **given,
                            **({"additional_config": extra} if extra else {}))
     return _target(f"model {model}" if model else "the tiny model", model, kwargs)
 
 
 def _target(label: str, model: str | None, kwargs: dict[str, Any]) -> CheckTarget:
     kwargs = dict(kwargs)
-    kwargs.setdefault("worker_extension_cls", "kvtier.engine.worker_ext.KVTierWorkerExtension")
     if model is not None:
         if kwargs.get("max_num_seqs") == "auto":
             kwargs.pop("max_num_seqs")
