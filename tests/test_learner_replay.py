@@ -194,3 +194,28 @@ def test_replica_checks_the_learner_against_the_actors_model_only():
     with pytest.raises(ReplayConfigError, match="model_type"):
         KVTierReplica(0, cfg, plain, gpus_per_node=1)
     assert KVTierReplica(0, cfg, SimpleNamespace(model_type=MODEL_TYPE), gpus_per_node=1).settings.learner == "replay"
+
+
+def test_micro_batch_deaths_are_built_on_the_given_device_and_not_kept():
+    """Each forward re-derives its micro-batch's deaths (no dense per-sample cache) on the learner's device."""
+    mb = _micro_batch([(20, 130)], [REPLAYED], v1=True)
+    first, _ = micro_batch_deaths(mb, 150, packed=False, num_layers=4, num_kv_heads=2, device="meta")
+    assert first.device.type == "meta" and tuple(first.shape) == (1, 4, 2, 150)
+    a, _ = micro_batch_deaths(mb, 150, packed=False, num_layers=4, num_kv_heads=2)
+    b, _ = micro_batch_deaths(mb, 150, packed=False, num_layers=4, num_kv_heads=2)
+    assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    assert not hasattr(sample_deaths, "cache_info")
+
+
+def test_replay_memory_bench_measures_host_and_device_bytes_per_rank():
+    """`kvtier bench replay-memory` at a small shape: the device holds one micro-batch's tensor, the host
+    stays under the 1 GiB limit, and the old cache's bytes for the batch are reported beside it."""
+    from kvtier.benchmarks.replay_memory import HOST_LIMIT_BYTES, run_replay_memory_bench
+
+    r = run_replay_memory_bench(layers=4, kv_heads=2, tokens=4096, prompt=64, budget=512, buffer=64, batch=64,
+                                ranks=2, micro_batch=2)
+    assert r["bytes_per_sample"] == 4 * 2 * 4096 * 4
+    assert r["device_bytes_per_rank"] == 2 * r["bytes_per_sample"]
+    assert 0 <= r["host_bytes_per_rank"] < HOST_LIMIT_BYTES and r["within_host_limit"]
+    assert r["host_bytes_per_rank_cached_before"] == 32 * r["bytes_per_sample"]
+    assert r["seconds_per_sample"] > 0

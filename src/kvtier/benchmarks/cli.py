@@ -236,6 +236,32 @@ def bench_capacity(
         raise typer.Exit(2)
 
 
+@bench_app.command("replay-memory")
+def bench_replay_memory(
+    layers: int = typer.Option(36, help="Model layers (Qwen3-4B: 36)."),
+    kv_heads: int = typer.Option(8, "--kv-heads", help="KV heads per layer (Qwen3-4B: 8)."),
+    tokens: int = typer.Option(32768, help="Tokens per sample (prompt + response)."),
+    prompt: int = typer.Option(1024),
+    budget: int = typer.Option(3072),
+    buffer: int = typer.Option(128),
+    batch: int = typer.Option(256, help="Samples per training batch."),
+    ranks: int = typer.Option(1, help="Learner ranks sharing the batch (1: every sample on one rank)."),
+    micro_batch: int = typer.Option(1, "--micro-batch", help="Samples per forward on a rank."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON here."),
+) -> None:
+    """Learner replay's peak host and device bytes per rank, measured while one micro-batch's death tensor is
+    built (exit 1 when the host bytes reach 1 GiB)."""
+    from .replay_memory import run_replay_memory_bench
+
+    report = run_replay_memory_bench(layers=layers, kv_heads=kv_heads, tokens=tokens, prompt=prompt, budget=budget,
+                                     buffer=buffer, batch=batch, ranks=ranks, micro_batch=micro_batch)
+    _print_json(report)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    if not report["within_host_limit"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("table10", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_table10(ctx: typer.Context) -> None:
     """Table 10 / 9 setting: HF batched decoding throughput + round cost at Qwen3-4B shapes, dummy weights

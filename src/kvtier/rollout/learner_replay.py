@@ -10,7 +10,10 @@ the cache it is served with, and the rollout's log-probs agree with the learner'
 `kvtier_policy` + `kvtier_policy_params`, the server's per-sample fields): `random`'s evictions are a function
 of the request's keyed draw and schedule, so the learner re-derives the [layers, kv_heads, length] death
 tensor (`kvtier.deathtime.simulate_deaths`, equal to the engine's audit log: tests/test_rollout.py) instead
-of receiving ~37 MB per sample at Qwen3-4B shapes and 32k tokens. A sample the learner cannot replay goes
+of receiving ~37 MB per sample at Qwen3-4B shapes and 32k tokens. Nothing dense is kept for the batch: each
+forward re-derives its micro-batch's deaths one sample at a time on the host and writes them into the
+micro-batch's tensor on the learner's device (host peak: one sample's tensor and the simulation's scratch;
+`kvtier bench replay-memory`). A sample the learner cannot replay goes
 down the dense path and is counted (`replay_status`): full attention, a cache rebuilt mid-generation
 (`rebuilt`: a preemption's recompute), several generate calls (`multi_call`: each turn drew its own
 evictions), a policy that reads the cache (`policy`), or no kvtier per-sample fields (`no_record`: the
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import json
 import logging
-from functools import lru_cache
 from typing import Any, Mapping
 
 import torch
@@ -88,19 +90,15 @@ def sample_deaths(fields: Mapping[str, Any], prompt_len: int, length: int, num_l
     """[layers, kv_heads, length] int32 death times of a replayed sample; None for the dense path."""
     if replay_status(fields) != "replayed":
         return None
-    return _simulated(str(fields["kvtier_policy"]), fields.get("kvtier_policy_params") or "{}",
-                      int(fields["kvtier_budget"]), int(fields["kvtier_buffer"]), int(fields["kvtier_seed"]),
-                      int(prompt_len), int(length), int(num_layers), int(num_kv_heads))
-
-
-@lru_cache(maxsize=256)   # old log-probs, then every PPO epoch's forward: one simulation per sample
-def _simulated(policy: str, params: str, budget: int, buffer: int, seed: int, prompt_len: int, length: int,
-               num_layers: int, num_kv_heads: int) -> Tensor:
     from kvtier.deathtime import simulate_deaths
     from kvtier.policies import EvictionSchedule, make_policy
 
-    return simulate_deaths(make_policy(policy, **json.loads(params)), EvictionSchedule(budget, buffer), prompt_len,
-                           length, num_layers=num_layers, num_kv_heads=num_kv_heads, seed=seed)
+    # Not cached: at 32k tokens a sample's tensor is ~37 MB, a 256-sample batch's ~9.6 GB of host memory.
+    # Re-deriving costs ~1.3 s per 32k sample on one CPU core (old log-probs, then each PPO epoch).
+    policy = make_policy(str(fields["kvtier_policy"]), **json.loads(fields.get("kvtier_policy_params") or "{}"))
+    return simulate_deaths(policy, EvictionSchedule(int(fields["kvtier_budget"]), int(fields["kvtier_buffer"])),
+                           int(prompt_len), int(length), num_layers=int(num_layers), num_kv_heads=int(num_kv_heads),
+                           seed=int(fields["kvtier_seed"]))
 
 
 def batch_fields(micro_batch) -> list[dict[str, Any]]:
@@ -134,36 +132,38 @@ def prompt_lengths(micro_batch) -> list[int]:
     raise ValueError(f"kvtier learner replay: no prompt lengths in the micro-batch (keys: {sorted(keys)})")
 
 
-def micro_batch_deaths(micro_batch, width: int, *, packed: bool, num_layers: int,
-                       num_kv_heads: int) -> tuple[Tensor | None, dict[str, int]]:
-    """The death tensor for one forward of verl's engine, and how many samples took each path.
+def micro_batch_deaths(micro_batch, width: int, *, packed: bool, num_layers: int, num_kv_heads: int,
+                       device: torch.device | str = "cpu") -> tuple[Tensor | None, dict[str, int]]:
+    """The death tensor for one forward of verl's engine, on `device`, and how many samples took each path.
 
     padded (use_remove_padding=false): [B, layers, kv_heads, width], sample b in columns 0..len_b-1;
     packed (true): [1, layers, kv_heads, width], sample b at its cu_seqlens offset and every key dead at its
-    segment's end. None when no sample is replayed (the layer runs plain SDPA)."""
+    segment's end. None when no sample is replayed (the layer runs plain SDPA). Samples are simulated one at
+    a time on the host and copied in: the host holds one sample's tensor at a time."""
     from kvtier.deathtime import NEVER
 
     fields = batch_fields(micro_batch)
     offsets = micro_batch["input_ids"].offsets().tolist()
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    prompts = prompt_lengths(micro_batch)
-    counts = dict.fromkeys(STATUSES, 0)
-    records = []
-    for f, p, n in zip(fields, prompts, lengths):
-        counts[replay_status(f)] += 1
-        records.append(sample_deaths(f, p, n, num_layers, num_kv_heads))
-    if all(r is None for r in records):
+    statuses = [replay_status(f) for f in fields]
+    counts = {s: statuses.count(s) for s in STATUSES}
+    if "replayed" not in statuses:
         return None, counts
-    rows = 1 if packed else len(records)
-    out = torch.full((rows, num_layers, num_kv_heads, width), NEVER, dtype=torch.int32)
-    for b, rec in enumerate(records):
+    prompts = prompt_lengths(micro_batch)
+    out = torch.full((1 if packed else len(fields), num_layers, num_kv_heads, width), NEVER, dtype=torch.int32,
+                     device=device)
+    for b, (f, status) in enumerate(zip(fields, statuses)):
         start = offsets[b] if packed else 0
         end = start + lengths[b]
-        row = 0 if packed else b
-        if rec is None:
-            rec = torch.full((num_layers, num_kv_heads, lengths[b]), NEVER, dtype=torch.int32)
+        row = out[0 if packed else b, :, :, start:end]
+        if status != "replayed":
+            if packed:
+                row.fill_(end)                          # full attention inside its own segment only
+            continue
+        rec = sample_deaths(f, prompts[b], lengths[b], num_layers, num_kv_heads)
         shifted = torch.where(rec == NEVER, rec, rec + start)
-        out[row, :, :, start:end] = shifted.clamp(max=end) if packed else shifted
+        row.copy_(shifted.clamp(max=end) if packed else shifted)
+        del rec, shifted
     return out, counts
 
 
@@ -206,14 +206,14 @@ def replay_engine_class(base: type) -> type:
             deaths, counts = micro_batch_deaths(
                 micro_batch, ids.shape[-1], packed=model_inputs.get("attention_mask") is None,
                 num_layers=hf.num_hidden_layers,
-                num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+                num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads, device=ids.device)
             if not self._replay_logged:                  # one line: replay is on, and what it found
                 self._replay_logged = True
                 logger.warning("kvtier learner replay: first micro-batch (%s, %d columns): %s", "packed" if
                                model_inputs.get("attention_mask") is None else "padded", ids.shape[-1],
                                {k: v for k, v in counts.items() if v})
             if deaths is not None:
-                model_inputs[DEATHS_KWARG] = deaths.to(ids.device)
+                model_inputs[DEATHS_KWARG] = deaths
             return model_inputs, output_args
 
     KVTierReplayEngine.__qualname__ = KVTierReplayEngine.__name__
