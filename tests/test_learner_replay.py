@@ -156,6 +156,16 @@ def test_mismatch_metrics_by_hand():
     assert m["m/max_abs_log_ratio"] == pytest.approx(float(torch.log(torch.tensor(2.0))))
     assert m["m/kl"] == pytest.approx(float((ratios - 1 - ratios.log()).mean()), rel=1e-5)
     assert m["m/token_ratio_p01"] == pytest.approx(float(torch.quantile(ratios, 0.01)))
+    assert m["m/token_ratio_p05"] == pytest.approx(float(torch.quantile(ratios, 0.05)))
+
+
+def test_p05_and_share_below_0_86_read_one_criterion():
+    """Sparrow's criterion two ways: p05 >= 0.86 when at most 5% of the tokens are below 0.86 (away from the
+    boundary, where the quantile's interpolation decides)."""
+    for below in (0, 3, 4, 7, 40):     # of 100 tokens
+        ratios = torch.cat([torch.full((below,), 0.5), torch.full((100 - below,), 1.0)])
+        m = mismatch_metrics(ratios.log().unsqueeze(0), torch.zeros(1, 100), torch.ones(1, 100), prefix="m")
+        assert (m["m/token_ratio_p05"] >= 0.86) == (m["m/share_below_0_86"] <= 0.05), below
 
 
 def test_eviction_metrics_count_replay_statuses():

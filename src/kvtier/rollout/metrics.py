@@ -111,15 +111,19 @@ def learner_entries(metrics: dict, prefix: str = "rollout/kvtier") -> tuple[dict
 
 
 # Sparrow (arXiv 2606.08446): training stays stable while the lower tail of per-token learner/sampler ratios
-# stays above ~0.86; the mean hides it.
+# stays above ~0.86, read as the 5th percentile (p05 >= 0.86); the mean hides it. `share_below_0_86` is the
+# same criterion read the other way: p05 >= 0.86 when at most 5% of the tokens fall below 0.86 (at the
+# boundary the quantile's interpolation decides).
 TAIL_RATIO = 0.86
+TAIL_QUANTILE = 0.05
 
 
 def mismatch_metrics(old_log_probs, rollout_log_probs, response_mask,
                      prefix: str = "rollout/kvtier/mismatch") -> dict[str, float]:
     """Learner vs sampler over the response tokens ([B, T] tensors): per-token ratio = pi_learner / pi_rollout
     = exp(old_log_prob - rollout_log_prob). `kl`: the k3 estimate of KL(rollout || learner) per token (>= 0);
-    `max_abs_log_ratio`; the ratio's `min`, 1st percentile `p01` and `share_below_0_86`."""
+    `max_abs_log_ratio`; the ratio's `min`, 1st and 5th percentiles (`p05`: Sparrow's criterion, >= 0.86) and
+    `share_below_0_86` (<= 0.05 when p05 >= 0.86, up to the quantile's interpolation)."""
     import torch
 
     mask = response_mask.bool()
@@ -131,4 +135,5 @@ def mismatch_metrics(old_log_probs, rollout_log_probs, response_mask,
             f"{prefix}/max_abs_log_ratio": float(log_ratio.abs().max()),
             f"{prefix}/token_ratio_min": float(ratio.min()),
             f"{prefix}/token_ratio_p01": float(torch.quantile(ratio, 0.01)),
+            f"{prefix}/token_ratio_p05": float(torch.quantile(ratio, TAIL_QUANTILE)),
             f"{prefix}/share_below_0_86": float((ratio < TAIL_RATIO).float().mean())}

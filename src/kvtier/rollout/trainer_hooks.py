@@ -21,9 +21,9 @@ its per-sample counters) in the TransferQueue and reduce none of them. `register
 for every trainer mode verl has (`sync`, `colocate_async`, `separate_async`), a `kvtier_<mode>` trainer
 whose `_compute_metrics` adds `eviction_metrics_from_fields` of the step's samples (logged as
 `rollout/kvtier/...`); select it with `trainer.v1.trainer_mode=kvtier_sync`. The registration runs when this
-module is imported and transfer_queue is installed; `TaskRunnerV1` resolves the mode before it builds the
-agent-loop manager, so name this module in `VERL_USE_EXTERNAL_MODULES` (verl imports those in every
-process) next to `kvtier.rollout.verl_plugin`.
+module is imported and transfer_queue is installed; `kvtier.rollout.verl_plugin` (the one module a job names
+in `VERL_USE_EXTERNAL_MODULES`) imports it once verl's v1 trainer package is imported, before
+`TaskRunnerV1` resolves the mode.
 """
 
 from __future__ import annotations

@@ -22,7 +22,10 @@ process that resolves the name. Ways to get it there (any one is enough):
 
 It also registers, with verl's `EngineRegistry`, the training engine of learner replay
 (`actor_rollout_ref.model.model_type=kvtier_replay`, `kvtier.rollout.learner_replay`) once verl's FSDP engine
-module is imported. `register()` is idempotent; the import runs it once.
+module is imported, and the `kvtier_<mode>` v1 trainers (`trainer.v1.trainer_mode=kvtier_sync`,
+`kvtier.rollout.trainer_hooks`) once verl's v1 trainer package is, before `TaskRunnerV1` resolves the mode:
+so this one module in `VERL_USE_EXTERNAL_MODULES` is all a job names (importing trainer_hooks from verl's
+`__init__` would load the agent loop into every process). `register()` is idempotent; the import runs it once.
 """
 
 from __future__ import annotations
@@ -48,9 +51,17 @@ def register(name: str = BACKEND_NAME) -> None:
     RolloutReplicaRegistry.register(name, _load_replica)
     base._ROLLOUT_REGISTRY[(name, "async")] = ADAPTER_FQDN
     if name == BACKEND_NAME:   # the actor's `model_type=kvtier_replay` engine (kvtier.rollout.learner_replay)
+        from .import_hooks import when_imported
         from .learner_replay import install
 
         install()
+        when_imported("verl.trainer.ppo.v1", _register_trainers, ready=lambda m: hasattr(m, "get_trainer_cls"))
+
+
+def _register_trainers(_module) -> None:
+    import importlib
+
+    importlib.import_module("kvtier.rollout.trainer_hooks")   # registers the kvtier_<mode> v1 trainers on import
 
 
 def is_registered(name: str = BACKEND_NAME) -> bool:

@@ -14,10 +14,7 @@ only when `KVTIER_RL_SMOKE_EVENTS` names a file. Then it:
   naive sync), generates a short greedy full-attention sample on the server with log-probs, and recomputes
   them with transformers on the tensors the actor just sent (rounded to the engine's dtype) and, as a
   control, on the initial checkpoint: event `logprob_check` with both max |diff|;
-* imports `kvtier.rollout.trainer_hooks` once `verl.trainer.ppo.v1` is imported, so the `kvtier_<mode>` v1
-  trainers (kvtier's eviction metrics in the logged metrics) are registered before verl's `TaskRunnerV1`
-  resolves `trainer.v1.trainer_mode` (importing trainer_hooks from verl's `__init__` would load the agent
-  loop into every process).
+The `kvtier_<mode>` v1 trainers are registered by `kvtier.rollout.verl_plugin` itself, as in a GPU job.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ import os
 import time
 from typing import Any
 
-from kvtier.rollout.import_hooks import when_imported
 
 logger = logging.getLogger("kvtier.rollout")
 
@@ -219,12 +215,6 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def _register_trainer_hooks(_module) -> None:
-    import importlib
-
-    importlib.import_module("kvtier.rollout.trainer_hooks")   # registers the kvtier_<mode> v1 trainers on import
-
-
 def register() -> None:
     import kvtier.rollout.verl_plugin as plugin   # kvtier's own registration first; this one replaces it
     from verl.workers.rollout import base
@@ -232,7 +222,6 @@ def register() -> None:
 
     RolloutReplicaRegistry.register(plugin.BACKEND_NAME, _replica_class)
     base._ROLLOUT_REGISTRY[(plugin.BACKEND_NAME, "async")] = ADAPTER_FQDN
-    when_imported("verl.trainer.ppo.v1", _register_trainer_hooks, ready=lambda m: hasattr(m, "get_trainer_cls"))
 
 
 if events_path():
