@@ -171,20 +171,31 @@ def test_p05_and_share_below_0_86_read_one_criterion():
 def test_eviction_metrics_count_replay_statuses():
     rows = [REPLAYED, {**REPLAYED, "kvtier_preemptions": 2}, {**REPLAYED, "kvtier_budget": None}]
     m = eviction_metrics_from_fields(rows)
-    assert (m["rollout/kvtier/replay/replayed"], m["rollout/kvtier/replay/rebuilt"],
-            m["rollout/kvtier/replay/full"]) == (1, 1, 1)
+    assert (m["rollout/kvtier/replayable/replayed"], m["rollout/kvtier/replayable/rebuilt"],
+            m["rollout/kvtier/replayable/full"]) == (1, 1, 1)
 
 
 def test_smoke_step_record_reads_the_learner_entries_of_both_trainers():
-    """`kvtier rl smoke`'s per-step record: the mismatch and replay entries under each trainer's prefix
-    (v1: rollout/kvtier/..., v0: timing_s/rollout/kvtier/...), and nothing from the other's."""
+    """`kvtier rl smoke`'s per-step record: the mismatch and replayable entries under each trainer's prefix
+    (v1: rollout/kvtier/..., v0: timing_s/rollout/kvtier/...), and nothing from the other's; the learner's own
+    replay shares (verl's actor metrics, either trainer) apart from the rollout's records."""
     from kvtier.rollout.cpu.rl_smoke import step_record
 
-    data = {"timing_s/rollout/kvtier/replay/replayed": 8.0, "timing_s/rollout/kvtier/mismatch/kl": 1e-5,
-            "rollout/kvtier/replay/full": 3.0, "rollout/kvtier/mismatch/token_ratio_p01": 0.5}
+    data = {"timing_s/rollout/kvtier/replayable/replayed": 8.0, "timing_s/rollout/kvtier/mismatch/kl": 1e-5,
+            "rollout/kvtier/replayable/full": 3.0, "rollout/kvtier/mismatch/token_ratio_p01": 0.5,
+            "actor/kvtier_replay/replayed_share": 1.0, "actor/kvtier_replay/full_share": 0.0}
     v0, v1 = step_record(1, data, [], 8, "v0"), step_record(1, data, [], 8, "v1")
-    assert (v0["replay"], v0["learner_vs_rollout"]) == ({"replayed": 8}, {"kl": 1e-5})
-    assert (v1["replay"], v1["learner_vs_rollout"]) == ({"full": 3}, {"token_ratio_p01": 0.5})
+    assert (v0["rollout_replayable"], v0["learner_vs_rollout"]) == ({"replayed": 8}, {"kl": 1e-5})
+    assert (v1["rollout_replayable"], v1["learner_vs_rollout"]) == ({"full": 3}, {"token_ratio_p01": 0.5})
+    assert v0["learner_replay_share"] == v1["learner_replay_share"] == {"replayed": 1.0, "full": 0.0}
+
+
+def test_learner_shares_are_verl_mean_metrics_of_one_forward():
+    from kvtier.rollout.learner_replay import learner_shares
+
+    shares = learner_shares({"replayed": 3, "full": 1, "rebuilt": 0, "multi_call": 0, "policy": 0, "no_record": 0})
+    assert shares["actor/kvtier_replay/replayed_share"].aggregate() == 0.75
+    assert shares["actor/kvtier_replay/full_share"].aggregation.value == "mean"
 
 
 def test_replica_checks_the_learner_against_the_actors_model_only():

@@ -97,6 +97,8 @@ def test_grpo_steps_with_eviction(smoke):
         # one generate call per (single-turn) sample, added up by kvtier's agent-loop worker into the
         # TransferQueue's extra_fields (the field is missing without it)
         assert s["generate_calls_mean"] == 1.0, s
+        # a dense learner (verl's own engine): the rollout's records are replayable, the learner replays none
+        assert s["rollout_replayable"]["replayed"] == 8 and s["learner_replay_share"] == {}, s
         assert s["seconds"] > 0
     assert summary["eviction_events"] == sum(s["eviction_events"] for s in steps)
 
@@ -177,7 +179,9 @@ def test_v0_trainer_logs_eviction_and_rollout_correction_metrics(smoke_v0):
     # verl's k1 KL (signed) reached 1.05e-3 in one run, its k3 KL 1.8e-4; tests/test_rollout.py checks on this
     # model that a dense learner is far off (> 0.3 in some token's log-prob)
     for s in steps:
-        assert s["replay"]["replayed"] == 8 and sum(s["replay"].values()) == 8, s["replay"]
+        assert s["rollout_replayable"]["replayed"] == 8 and sum(s["rollout_replayable"].values()) == 8, s
+        # the update's own forwards replayed every sample (a dense fallback inside update_actor would show here)
+        assert s["learner_replay_share"]["replayed"] == 1.0, s["learner_replay_share"]
         assert s["mismatch"]["k3_kl"] < 0.01, s["mismatch"]
 
 
@@ -188,10 +192,12 @@ def test_replay_learner_agrees_with_the_rollout_on_the_graded_task(smoke_replay)
     steps, summary = smoke_replay["steps"], smoke_replay["summary"]
     assert summary["learner"] == "replay" and summary["task"] == "chains" and summary["steps"] == REPLAY_STEPS
     for s in steps:
-        assert s["replay"] == {"replayed": 8, "full": 0, "rebuilt": 0, "multi_call": 0, "policy": 0,
-                               "no_record": 0}, s["replay"]
+        assert s["rollout_replayable"] == {"replayed": 8, "full": 0, "rebuilt": 0, "multi_call": 0, "policy": 0,
+                                           "no_record": 0}, s["rollout_replayable"]
+        assert s["learner_replay_share"] == {"replayed": 1.0, "full": 0.0, "rebuilt": 0.0, "multi_call": 0.0,
+                                             "policy": 0.0, "no_record": 0.0}, s["learner_replay_share"]
         tails = s["learner_vs_rollout"]
-        assert set(tails) == {"kl", "max_abs_log_ratio", "token_ratio_min", "token_ratio_p01",
+        assert set(tails) == {"kl", "max_abs_log_ratio", "token_ratio_min", "token_ratio_p01", "token_ratio_p05",
                               "share_below_0_86"}, tails
         # bf16 engine vs fp32 learner: kl ~1e-5, max |log ratio| up to ~0.5, p01 ~0.997, share < 0.86 ~5e-4
         # (results/rl-cpu-2026-12-02.json's replay arm); its dense arm: kl 0.09-0.17, max |log ratio| 18-23,

@@ -95,9 +95,11 @@ def step_row(rec: dict) -> dict:
     tails = rec.get("learner_vs_rollout") or {}
     return {"step": rec["step"], "reward_mean": rec.get("reward_mean"), "seconds": rec.get("seconds"),
             "rollout_seconds": rec.get("rollout_seconds"), "token_ratio_min": tails.get("token_ratio_min"),
-            "token_ratio_p01": tails.get("token_ratio_p01"), "share_below_0_86": tails.get("share_below_0_86"),
+            "token_ratio_p01": tails.get("token_ratio_p01"),
+            "token_ratio_p05": tails.get("token_ratio_p05"), "share_below_0_86": tails.get("share_below_0_86"),
             "kl": tails.get("kl"), "max_abs_log_ratio": tails.get("max_abs_log_ratio"),
-            "preemptions_mean": rec.get("preemptions_mean"), "replay": rec.get("replay"),
+            "preemptions_mean": rec.get("preemptions_mean"), "rollout_replayable": rec.get("rollout_replayable"),
+            "learner_replay_share": rec.get("learner_replay_share"),
             "advantage_abs_max": rec.get("advantage_abs_max")}
 
 

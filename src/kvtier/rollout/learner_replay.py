@@ -167,6 +167,17 @@ def micro_batch_deaths(micro_batch, width: int, *, packed: bool, num_layers: int
     return out, counts
 
 
+LEARNER_METRICS = "actor/kvtier_replay"
+
+
+def learner_shares(counts: dict[str, int]) -> dict[str, Any]:
+    """One forward's share of samples per replay status as verl `Metric`s (mean over micro-batches and ranks)."""
+    from verl.utils.metric.utils import Metric
+
+    total = sum(counts.values()) or 1
+    return {f"{LEARNER_METRICS}/{status}_share": Metric("mean", counts.get(status, 0) / total) for status in STATUSES}
+
+
 def check_engine_config(model_config, engine_config) -> None:
     """Refuse, naming the setting, what the replay engine has not been built for."""
     from kvtier.deathtime import ATTN_NAME
@@ -214,7 +225,16 @@ def replay_engine_class(base: type) -> type:
                                {k: v for k, v in counts.items() if v})
             if deaths is not None:
                 model_inputs[DEATHS_KWARG] = deaths
+            self._replay_counts = counts
             return model_inputs, output_args
+
+        def forward_step(self, micro_batch, loss_function, forward_only):
+            """verl's forward, plus what this forward did with each sample: `actor/kvtier_replay/<status>_share`
+            (the learner's own count, not the rollout's records), averaged by verl over micro-batches and
+            ranks like its own losses."""
+            loss, output = super().forward_step(micro_batch, loss_function, forward_only)
+            output.setdefault("metrics", {}).update(learner_shares(self._replay_counts))
+            return loss, output
 
     KVTierReplayEngine.__qualname__ = KVTierReplayEngine.__name__
     return KVTierReplayEngine

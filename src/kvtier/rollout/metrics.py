@@ -21,8 +21,9 @@ verl's agent loop (`AgentLoopWorker._postprocess`) turns every extra field into 
 
 `eviction_metrics(batch)` reduces them to scalars (`rollout/kvtier/<column>/mean|max` over the compressed
 samples, `rollout/kvtier/generate_calls/mean|max` over all, `rollout/kvtier/compressed_fraction`, and
-`rollout/kvtier/replay/<status>`: how many samples the learner replays and why the others go down the
-dense path, `kvtier.rollout.learner_replay.replay_status`). `mismatch_metrics` compares the learner's old
+`rollout/kvtier/replayable/<status>`: how many samples came back with a record the learner can replay, and
+why the others cannot, `kvtier.rollout.learner_replay.replay_status`; what the rollout returned, whatever the
+learner then does: a replay learner logs its own forwards' shares as `actor/kvtier_replay/<status>_share`). `mismatch_metrics` compares the learner's old
 log-probs with the rollout's per token (the v1 `kvtier_<mode>` trainers log it as `rollout/kvtier/mismatch/...`). How they reach the trainer's logged metrics (see
 `kvtier.rollout.trainer_hooks`): with `trainer.use_v1=false`, `KVTierAgentLoopManager` adds them to the
 generated batch's `meta_info["timing"]`, which verl's `RayPPOTrainer` merges into the step's timing and
@@ -97,17 +98,17 @@ def eviction_metrics_from_fields(fields, prefix: str = "rollout/kvtier") -> dict
         out[f"{prefix}/generate_calls/max"] = float(calls.max())
     statuses = [replay_status(r) for r in rows]
     for status in STATUSES:
-        out[f"{prefix}/replay/{status}"] = float(statuses.count(status))
+        out[f"{prefix}/replayable/{status}"] = float(statuses.count(status))
     return out
 
 
 def learner_entries(metrics: dict, prefix: str = "rollout/kvtier") -> tuple[dict, dict]:
-    """The `mismatch/*` and `replay/*` entries of a step's logged metrics, names without their prefix."""
+    """The `mismatch/*` and `replayable/*` entries of a step's logged metrics, names without their prefix."""
     def under(part: str) -> dict:
         head = f"{prefix}/{part}/"
         return {k.removeprefix(head): v for k, v in metrics.items() if k.startswith(head)}
 
-    return under("mismatch"), under("replay")
+    return under("mismatch"), under("replayable")
 
 
 # Sparrow (arXiv 2606.08446): training stays stable while the lower tail of per-token learner/sampler ratios

@@ -172,7 +172,11 @@ def step_record(step: int, data: dict, events: list[dict], samples: int, trainer
                 if k.startswith("rollout_corr/") and any(s in k for s in ("kl", "ppl", "chi2"))}
     from kvtier.rollout.metrics import learner_entries
 
-    learner, replay = learner_entries(data, kv.rstrip("/"))
+    from kvtier.rollout.learner_replay import LEARNER_METRICS
+
+    learner, replayable = learner_entries(data, kv.rstrip("/"))
+    shares = {k.removeprefix(f"{LEARNER_METRICS}/").removesuffix("_share"): _float(v) for k, v in data.items()
+              if k.startswith(f"{LEARNER_METRICS}/")}
     staleness = data.get("training/off_policy/trajectory_staleness/max")
     return {
         "step": step,
@@ -184,9 +188,12 @@ def step_record(step: int, data: dict, events: list[dict], samples: int, trainer
         "rollout_is_mean": _float(data.get(IS_MEAN)),
         "rollout_is_max": _float(data.get("rollout_corr/rollout_is_max")),
         "mismatch": mismatch,
-        # learner (old log-probs) vs sampler (rollout log-probs) per token; how many samples were replayed
+        # learner (old log-probs) vs sampler (rollout log-probs) per token; how many samples the rollout
+        # returned with a replayable record, and what share of samples the learner's update forwards replayed
+        # (empty for a dense learner: verl's own engine)
         "learner_vs_rollout": {k: _float(v) for k, v in learner.items()},
-        "replay": {k: int(v) for k, v in replay.items()},
+        "rollout_replayable": {k: int(v) for k, v in replayable.items()},
+        "learner_replay_share": shares,
         "weights_version": version,
         "rollout_weights_staleness": staleness,
         "sleeps": sum(e.get("event") == "sleep" for e in events),
