@@ -29,7 +29,8 @@ def test_catalog_names_are_unique_and_well_formed():
     names = [m.name for m in catalog.METRICS]
     assert len(names) == len(set(names))
     for m in catalog.METRICS:
-        assert m.name.startswith("ray_"), m.name            # everything is scraped from Ray's export port
+        # scraped from Ray's export port, but for the RayService conditions KubeRay's operator exports
+        assert m.name.startswith("kuberay_" if m.exporter == catalog.KUBERAY else "ray_"), m.name
         assert m.type in ("counter", "gauge", "histogram")
         assert (m.type == "counter") == m.name.endswith("_total"), m.name
         assert m.help and m.exporter and m.help.endswith("."), m.name

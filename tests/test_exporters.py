@@ -96,19 +96,48 @@ def test_router_metrics_count_tokens_latency_and_hang_ups_per_tier(monkeypatch):
     m.first_token("k64", 0.2)
     m.finished("k64", 1.5, {"prompt_tokens": 12, "completion_tokens": 30})
     m.finished("k64", 0.5, None)        # an engine that reported no usage: latency only
+    m.finished("k64", 2.2, {"completion_tokens": 11}, first_token_s=0.2)   # a stream: 10 tokens after the first
+    m.finished("k64", 0.3, {"completion_tokens": 1}, first_token_s=0.3)    # one token: no time per token
     m.cancelled("full")
     m.rejection(401, "unauthorized")
+    m.rejection(503, "engine-unavailable", "k64")
     snap = m.snapshot()
     assert snap["tiers"] == {"full": {"finished": 0, "prompt_tokens": 0, "generation_tokens": 0, "cancelled": 1},
-                             "k64": {"finished": 2, "prompt_tokens": 12, "generation_tokens": 30, "cancelled": 0}}
+                             "k64": {"finished": 4, "prompt_tokens": 12, "generation_tokens": 42, "cancelled": 0}}
     c = fake.calls
-    assert c["kvtier_router_generation_tokens"] == [("inc", 30, {"tier": "k64"})]
+    assert [v for _, v, _ in c["kvtier_router_generation_tokens"]] == [30, 11, 1]
     assert c["kvtier_router_prompt_tokens"] == [("inc", 12, {"tier": "k64"})]
-    assert c["kvtier_router_request_latency_seconds"] == [("observe", 1.5, {"tier": "k64"}),
-                                                          ("observe", 0.5, {"tier": "k64"})]
+    assert [v for _, v, _ in c["kvtier_router_request_latency_seconds"]] == [1.5, 0.5, 2.2, 0.3]
+    assert c["kvtier_router_tpot_seconds"] == [("observe", pytest.approx(0.2), {"tier": "k64"})]
     assert c["kvtier_router_ttft_seconds"] == [("observe", 0.2, {"tier": "k64"})]
     assert c["kvtier_router_cancelled"] == [("inc", 1, {"tier": "full"})]
-    assert c["kvtier_router_rejections"] == [("inc", 1, {"status": "401", "reason": "unauthorized"})]
+    assert c["kvtier_router_rejections"] == [
+        ("inc", 1, {"status": "401", "reason": "unauthorized", "tier": "none"}),        # before any tier was chosen
+        ("inc", 1, {"status": "503", "reason": "engine-unavailable", "tier": "k64"})]
+
+
+def test_router_exports_open_mode_and_keeps_it_fresh(monkeypatch):
+    """`kvtier_router_open_mode` is set at start and again every poll interval: Ray drops a gauge value
+    nobody refreshes, and the alert KvtierOpenMode reads it."""
+    import asyncio
+
+    from kvtier.service import metrics as service_metrics
+
+    fake = FakeMetrics()
+    monkeypatch.setattr(service_metrics, "_ray_metrics", lambda: {
+        attr: fake.Gauge(by_name(name).ray_name, tag_keys=by_name(name).labels)
+        for attr, (name, _) in service_metrics._RAY_METRICS.items()})
+
+    async def run(open_mode: bool) -> None:
+        task = service_metrics.RouterMetrics().keep_open_mode(open_mode, every_s=0.01)
+        await asyncio.sleep(0.055)
+        task.cancel()
+
+    asyncio.run(run(True))
+    asyncio.run(run(False))
+    sets = fake.calls[by_name("ray_kvtier_router_open_mode").ray_name]
+    assert len(sets) >= 6 and {v for _, v, _ in sets} == {1.0, 0.0} and all(t == {} for _, _, t in sets)
+    assert sets[0][1] == 1.0 and sets[-1][1] == 0.0
 
 
 def test_rollout_exporter_records_each_sample_under_catalog_names():
@@ -136,10 +165,10 @@ def test_learner_exporter_sends_the_steps_tail_and_scored_samples():
     fake = FakeMetrics()
     exp = LearnerMetricsExporter("replay", metrics_module=lambda: fake)
     export_learner_metrics(exp, {"rollout/kvtier/mismatch/token_ratio_p01": 0.99, "rollout/kvtier/mismatch/kl": 1e-6,
-                                 "rollout/kvtier/replay/replayed": 16.0, "rollout/kvtier/replay/rebuilt": 0.0,
+                                 "rollout/kvtier/replayable/replayed": 16.0, "rollout/kvtier/replayable/rebuilt": 0.0,
                                  "rollout/kvtier/eviction_events/mean": 3.0})
     c = fake.calls
     assert c[by_name("ray_kvtier_rl_learner_mismatch").ray_name] == [
         ("set", 0.99, {"stat": "token_ratio_p01", "learner": "replay"}), ("set", 1e-6, {"stat": "kl", "learner": "replay"})]
-    assert c[by_name("ray_kvtier_rl_samples_scored_total").ray_name] == [("inc", 16.0, {"path": "replayed"})]
+    assert c[by_name("ray_kvtier_rl_samples_replayable_total").ray_name] == [("inc", 16.0, {"path": "replayed"})]
 

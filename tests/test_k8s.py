@@ -489,6 +489,36 @@ def test_ray_cluster_ports_and_groups(target):
         assert wports["metrics"] == int(w["rayStartParams"]["metrics-export-port"])
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_worker_readiness_sees_the_engines_and_keeps_kuberays_checks(target):
+    """KubeRay injects its probes only into a Ray container that sets none: the serving workers' readiness
+    repeats KubeRay's checks (raylet, Serve's proxy) and adds the router's /health through the pod's proxy
+    (503 while an engine is degraded). The head keeps KubeRay's own probes, liveness stays KubeRay's, and the
+    RayService sets none of the threshold fields KubeRay ignores since its PRs 1664/1665."""
+    rs = one(render(target), "RayService")
+    assert not {"deploymentUnhealthySecondThreshold", "serviceUnhealthySecondThreshold"} & set(rs["spec"])
+    rc = rs["spec"]["rayClusterConfig"]
+    head = rc["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "readinessProbe" not in head and "livenessProbe" not in head
+    cfg = serve_config(target)
+    assert cfg["proxy_location"] == "EveryNode" and cfg["applications"][0]["route_prefix"] == "/"
+    for w in rc["workerGroupSpecs"]:
+        c = w["template"]["spec"]["containers"][0]
+        assert "livenessProbe" not in c
+        probe = c["readinessProbe"]
+        checks = [s.strip() for s in probe["exec"]["command"][-1].split("&&")]
+        serve = next(p["containerPort"] for p in c["ports"] if p["name"] == "serve")
+        assert serve == cfg["http_options"]["port"]
+        agent = int(w["rayStartParams"].get("dashboard-agent-listen-port", 52365))
+        assert f"http://localhost:{agent}/api/local_raylet_healthz" in checks[0] and "grep success" in checks[0]
+        assert f"http://localhost:{serve}/-/healthz" in checks[1] and "grep success" in checks[1]
+        assert f"http://localhost:{serve}/health " in checks[2] and checks[2].endswith("""grep '"ok"'""")
+        assert len(checks) == 3 and all(x.startswith("wget --tries 1 -T ") for x in checks)
+        timeouts = sum(int(re.search(r"-T (\d+)", x).group(1)) for x in checks)
+        assert timeouts < probe["timeoutSeconds"] <= probe["periodSeconds"]
+        assert probe["failureThreshold"] == 1       # KubeRay's for serving workers: a draining proxy leaves at once
+
+
 def _engine_replicas(eng: dict) -> int:
     dep = eng.get("deployment", {})
     if "autoscaling_config" in dep:
@@ -595,7 +625,10 @@ def test_alerts_use_catalog_metrics(target):
     rule = one(render(target), "PrometheusRule", "kvtier-alerts")
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
     assert {"KvtierHighPreemptionRate", "KvtierKVPressure", "KvtierEvictionRoundSlow",
-            "KvtierRouterRejectionRate"} <= set(alerts)
+            "KvtierRouterRejectionRate", "KvtierPolicyFailures", "KvtierTTFTHigh", "KvtierTPOTHigh",
+            "KvtierTierServerErrors", "KvtierDeploymentDown", "KvtierDeploymentAbsent", "KvtierServeAbsent",
+            "KvtierRayServiceNotReady", "KvtierOpenMode"} <= set(alerts)
+    assert any("absent(" in r["expr"] for r in alerts.values())
     for name, r in alerts.items():
         assert promql.check(r["expr"]) == [], name
         assert r["labels"]["severity"] in ("info", "warning", "critical")

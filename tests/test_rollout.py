@@ -509,7 +509,7 @@ def test_rollout_dashboard_reads_the_samples_from_a_live_prometheus(rollout):
             export_learner_metrics(self.exporter, {
                 "rollout/kvtier/mismatch/kl": 1e-5, "rollout/kvtier/mismatch/max_abs_log_ratio": 0.2,
                 "rollout/kvtier/mismatch/token_ratio_min": 0.8, "rollout/kvtier/mismatch/token_ratio_p01": 0.997,
-                "rollout/kvtier/mismatch/share_below_0_86": 1e-4, "rollout/kvtier/replay/replayed": 8.0})
+                "rollout/kvtier/mismatch/share_below_0_86": 1e-4, "rollout/kvtier/replayable/replayed": 8.0})
 
     trainer = ray.remote(num_cpus=0)(LearnerStep).remote()
     ray.get(trainer.step.remote())

@@ -412,6 +412,36 @@ def test_counters_are_pulled_from_the_worker_only_after_engine_steps(monkeypatch
     assert pulls == [3, 5]
 
 
+def test_serve_health_check_fails_on_an_errored_engine():
+    """Serve replaces a replica whose `check_health` raises: it does when the vLLM client reports `errored`
+    (the flag kvtier_load gives the router) even where vLLM's own check passes, and the load reports the
+    same flag. No Ray, no engine: the objects are built without __init__."""
+    import asyncio
+
+    pytest.importorskip("ray.llm")
+    from kvtier.service import engine_server
+
+    class Client:           # vLLM's AsyncLLM as the replica sees it
+        errored = False
+        checks = 0
+
+        async def check_health(self):
+            self.checks += 1   # passes whatever `errored` says: kvtier's check must not rely on it
+
+    engine = object.__new__(engine_server.KVTierVLLMEngine)
+    engine._engine_client = Client()
+    server = object.__new__(engine_server.KVTierLLMServer)
+    server.engine = engine
+    asyncio.run(server.check_health())
+    engine._engine_client.errored = True
+    with pytest.raises(RuntimeError, match="errored"):
+        asyncio.run(server.check_health())
+    assert engine._engine_client.checks == 2 and engine.errored is True
+    assert object.__new__(engine_server.KVTierVLLMEngine).errored is False   # not started yet: healthy
+    server.engine = None                                                       # LLMServer before start()
+    asyncio.run(server.check_health())
+
+
 def test_a_prompt_the_tokenizer_cannot_encode_is_a_value_error():
     """The router answers ValueError with a 400 (router.py); the reasoner's character-level tokenizer
     raises a bare Exception for text outside its alphabet, which must not become a 500."""

@@ -102,18 +102,25 @@ def operations() -> dm.Dashboard:
     d = d.with_panel(timeseries_panel(
         pid(), "Eviction events/s", "Eviction rounds applied per second, by deployment and policy.",
         [(rate("ray_kvtier_eviction_events_total", dep, "deployment, policy"), "{{deployment}} {{policy}}")],
-        "ops", w=8))
+        "ops", w=6))
     d = d.with_panel(timeseries_panel(
         pid(), "Tokens evicted/s", "KV entries evicted per KV head per second, by deployment and policy.",
         [(rate("ray_kvtier_tokens_evicted_total", dep, "deployment, policy"), "{{deployment}} {{policy}}")],
-        "short", w=8))
+        "short", w=6))
     d = d.with_panel(timeseries_panel(
         pid(), "Eviction round time p50 / p99", "Wall time of one engine step's eviction work (the mean is "
         "approximate: Ray computes a histogram's sum from bucket midpoints).",
         [(quantile(0.5, "ray_kvtier_eviction_round_seconds", dep, "deployment"), "p50 {{deployment}}"),
          (quantile(0.99, "ray_kvtier_eviction_round_seconds", dep, "deployment"), "p99 {{deployment}}"),
          (mean("ray_kvtier_eviction_round_seconds", dep, "deployment"), "mean {{deployment}}")],
-        units.Seconds, w=8))
+        units.Seconds, w=6))
+    d = d.with_panel(timeseries_panel(
+        pid(), "Policy failures/s", "Eviction rounds whose policy raised, per second by deployment: each "
+        "finished its request with an error (the engine and the other requests keep running). Should stay 0 "
+        "(alert KvtierPolicyFailures).",
+        [(rate_or_zero("ray_kvtier_policy_failures_total", "ray_kvtier_kv_blocks_used", dep, "deployment"),
+          "{{deployment}}")],
+        "ops", w=6))
 
     d = d.with_row(db.Row("Routing").id(pid()))
     d = d.with_panel(timeseries_panel(
@@ -148,9 +155,11 @@ def operations() -> dm.Dashboard:
         [(mean("ray_kvtier_router_ttft_segment_seconds", tier, "segment"), "{{segment}}")],
         units.Seconds, w=8, stack=True))
     d = d.with_panel(timeseries_panel(
-        pid(), "Time per output token p50 / p99", "Inter-token latency inside each engine (vLLM).",
-        [(quantile(0.5, "ray_vllm_inter_token_latency_seconds", model, "model_name"), "p50 {{model_name}}"),
-         (quantile(0.99, "ray_vllm_inter_token_latency_seconds", model, "model_name"), "p99 {{model_name}}")],
+        pid(), "Time per output token p50 / p99", "Per tier as the router sees it (each stream's mean), and "
+        "the inter-token latency inside each engine (vLLM).",
+        [(quantile(0.99, "ray_kvtier_router_tpot_seconds", tier, "tier"), "p99 {{tier}}"),
+         (quantile(0.5, "ray_vllm_inter_token_latency_seconds", model, "model_name"), "engine p50 {{model_name}}"),
+         (quantile(0.99, "ray_vllm_inter_token_latency_seconds", model, "model_name"), "engine p99 {{model_name}}")],
         units.Seconds, w=8))
     d = d.with_panel(timeseries_panel(
         pid(), "End-to-end latency p50 / p99", "Per tier as the router sees it, and inside each engine (vLLM).",
@@ -207,9 +216,9 @@ def rollout() -> dm.Dashboard:
         [(f'{lm}{{stat="share_below_0_86"}}', "share < 0.86 {{learner}}"), (f'{lm}{{stat="kl"}}', "KL {{learner}}")],
         "short"))
     d = d.with_panel(timeseries_panel(
-        pid(), "Samples scored, by path", "Training samples per second the learner replayed under their own "
-        "eviction, or scored densely and why (full attention, rebuilt cache, several calls, a policy that reads "
-        "the cache, no record).", [(rate("ray_kvtier_rl_samples_scored_total", by="path"), "{{path}}")],
+        pid(), "Samples by replay record, by path", "Training samples per second the rollout returned with a "
+        "record the learner can replay, or without and why (full attention, rebuilt cache, several calls, a "
+        "policy that reads the cache, no record); a dense learner replays none of them.", [(rate("ray_kvtier_rl_samples_replayable_total", by="path"), "{{path}}")],
         "short", w=24, stack=True))
     return d.build()
 

@@ -108,19 +108,19 @@ class RolloutMetricsExporter:
 
 class LearnerMetricsExporter:
     """Per training step, in the trainer's process: the learner-vs-sampler tail (`mismatch_metrics`) and the
-    samples the learner replayed or scored densely (`replay_status`)."""
+    samples by the replay record the rollout returned (`replay_status`)."""
 
     def __init__(self, learner: str, metrics_module: Callable[[], Any] = _ray_metrics) -> None:
         m = metrics_module()
         self.learner = learner
         self.mismatch = catalog_metric(m, "ray_kvtier_rl_learner_mismatch")
-        self.scored = catalog_metric(m, "ray_kvtier_rl_samples_scored_total")
+        self.replayable = catalog_metric(m, "ray_kvtier_rl_samples_replayable_total")
 
-    def step(self, mismatch: dict[str, float], scored: dict[str, float]) -> None:
-        """mismatch: {stat: value} (the `rollout/kvtier/mismatch/` names without the prefix); scored:
-        {path: samples this step}."""
+    def step(self, mismatch: dict[str, float], replayable: dict[str, float]) -> None:
+        """mismatch: {stat: value} (the `rollout/kvtier/mismatch/` names without the prefix); replayable:
+        {path: samples this step} (`rollout/kvtier/replayable/`)."""
         for stat, value in mismatch.items():
             self.mismatch.set(value, tags={"stat": stat, "learner": self.learner})
-        for path, count in scored.items():
+        for path, count in replayable.items():
             if count:
-                self.scored.inc(count, tags={"path": path})
+                self.replayable.inc(count, tags={"path": path})

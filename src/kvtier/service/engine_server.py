@@ -8,6 +8,8 @@ Additions to the stock server:
   free blocks), captured by a stat logger attached to the engine, plus the requests the frontend has in
   flight; the router polls every replica's load for the KV-pressure rule.
 - `kvtier_eviction_stats()`: the kvtier eviction counters from the worker (via `kvtier.engine.worker_ext`).
+- `check_health()`: Serve's replica health check also fails on the `errored` flag of the load, so Serve
+  replaces a replica whose engine failed.
 The engine is warmed up with a 16-token prompt before it serves (see kvtier.engine.api.WARMUP_PROMPT_TOKENS).
 """
 
@@ -124,8 +126,13 @@ class KVTierVLLMEngine(VLLMEngine):
             "steps": t.steps, "preemptions": t.preemptions,
             # requests the frontend has sent to the engine core and not seen finish (a cross-check)
             "in_flight": len(getattr(processor, "request_states", ())) if processor is not None else None,
-            "errored": bool(getattr(self._engine_client, "errored", False)), "node_id": self.node_id,
+            "errored": self.errored, "node_id": self.node_id,
         }
+
+    @property
+    def errored(self) -> bool:
+        """vLLM's engine client has failed (its engine core died or its output handler stopped)."""
+        return bool(getattr(getattr(self, "_engine_client", None), "errored", False))
 
 
 EXPORT_EVERY_S = 5.0
@@ -174,6 +181,13 @@ class KVTierLLMServer(LLMServer):
         except (ValueError, TypeError, VLLMClientError) as exc:  # vLLM's input checks, incl. kvtier's
             error = {"message": str(exc) or type(exc).__name__, "type": "invalid_request_error", "code": 400}
             yield f"data: {json.dumps({'error': error})}\n\n" if started else {"error": error}
+
+    async def check_health(self) -> None:
+        """Serve's replica health check (raising makes Serve replace the replica): Ray Serve LLM's own (vLLM's),
+        then the `errored` flag the router reads from kvtier_load, so both see a failed engine alike."""
+        await super().check_health()
+        if self.engine is not None and getattr(self.engine, "errored", False):
+            raise RuntimeError("kvtier: the vLLM engine of this replica has errored; Serve replaces the replica")
 
     async def kvtier_load(self) -> dict[str, Any]:
         load = self.engine.load()

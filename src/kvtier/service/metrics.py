@@ -1,8 +1,9 @@
-"""Router metrics, in one place: routing decisions (by tier and reason), rejections (by status and
-reason), and per tier the tokens served, time to first token, end-to-end latency and streams the client
-hung up on. Kept in-process for `/v1/kvtier/stats` and, inside Ray, exported as Ray metrics under the
-names of `kvtier.observability.catalog` (Ray adds the `ray_` prefix and `_total` to counters) on the
-cluster's metrics export port.
+"""Router metrics, in one place: routing decisions (by tier and reason), rejections (by status, reason and
+the tier when one was chosen), per tier the tokens served, time to first token and per output token,
+end-to-end latency and streams the client hung up on, and whether the router runs in open mode. Kept
+in-process for `/v1/kvtier/stats` and, inside Ray, exported as Ray metrics under the names of
+`kvtier.observability.catalog` (Ray adds the `ray_` prefix and `_total` to counters) on the cluster's
+metrics export port.
 
 Token counts come from the engine's `usage` (the router asks the engine for it on every stream and drops
 the extra chunk when the client did not ask), so they count what finished requests returned; a stream
@@ -10,6 +11,7 @@ the client abandons counts in `cancelled`, not in tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter as _Counter
@@ -23,6 +25,8 @@ from .first_token import SEGMENTS, SEND, summarize
 TTFT_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 SEGMENT_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+TPOT_BOUNDARIES = [0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5]
+NO_TIER = "none"   # the `tier` of a rejection before any tier was chosen (auth, bad request, no tier fits)
 
 _RAY_METRICS = {  # attribute -> (catalog name, histogram boundaries)
     "decisions": ("ray_kvtier_router_decisions_total", None),
@@ -33,6 +37,8 @@ _RAY_METRICS = {  # attribute -> (catalog name, histogram boundaries)
     "latency": ("ray_kvtier_router_request_latency_seconds", LATENCY_BOUNDARIES),
     "ttft": ("ray_kvtier_router_ttft_seconds", TTFT_BOUNDARIES),
     "ttft_segments": ("ray_kvtier_router_ttft_segment_seconds", SEGMENT_BOUNDARIES),
+    "tpot": ("ray_kvtier_router_tpot_seconds", TPOT_BOUNDARIES),
+    "open_mode": ("ray_kvtier_router_open_mode", None),
 }
 RECENT_BREAKDOWNS = 8192   # per-request first-token breakdowns kept for /v1/kvtier/stats?ttft_since=
 
@@ -75,10 +81,20 @@ class RouterMetrics:
             self.decisions[(tier, reason)] += 1
         self._inc("decisions", 1, {"tier": tier, "reason": reason})
 
-    def rejection(self, status: int, reason: str) -> None:
+    def rejection(self, status: int, reason: str, tier: str = NO_TIER) -> None:
         with self._lock:
             self.rejections[(status, reason)] += 1
-        self._inc("rejections", 1, {"status": str(status), "reason": reason})
+        self._inc("rejections", 1, {"status": str(status), "reason": reason, "tier": tier})
+
+    def keep_open_mode(self, open_mode: bool, every_s: float) -> asyncio.Task:
+        """Export the open-mode gauge (1: anyone may call every tier) every `every_s` on the running loop:
+        Ray drops a gauge value that is not refreshed."""
+        async def refresh() -> None:
+            while True:
+                if self._ray:
+                    self._ray["open_mode"].set(1.0 if open_mode else 0.0, tags={})
+                await asyncio.sleep(every_s)
+        return asyncio.get_running_loop().create_task(refresh())
 
     def first_token(self, tier: str, seconds: float) -> None:
         """First chunk of a stream (or the whole response) reached the client's connection."""
@@ -106,8 +122,9 @@ class RouterMetrics:
         out = {tier: summarize([seg for t, seg in recent if t == tier]) for tier in sorted({t for t, _ in recent})}
         return {**out, "all": summarize([seg for _, seg in recent])} if recent else {}
 
-    def finished(self, tier: str, seconds: float, usage: dict | None) -> None:
-        """A request answered in full; `usage` is the engine's OpenAI usage block (None: not reported)."""
+    def finished(self, tier: str, seconds: float, usage: dict | None, first_token_s: float | None = None) -> None:
+        """A request answered in full; `usage` is the engine's OpenAI usage block (None: not reported);
+        `first_token_s`: a stream's time to first token, for its time per output token."""
         prompt = int((usage or {}).get("prompt_tokens") or 0)
         generated = int((usage or {}).get("completion_tokens") or 0)
         with self._lock:
@@ -119,6 +136,8 @@ class RouterMetrics:
         self._inc("prompt_tokens", prompt, tags)
         self._inc("generation_tokens", generated, tags)
         self._observe("latency", seconds, tags)
+        if first_token_s is not None and generated >= 2:
+            self._observe("tpot", max(0.0, seconds - first_token_s) / (generated - 1), tags)
 
     def cancelled(self, tier: str) -> None:
         """The client hung up on a stream; the engine request was aborted."""

@@ -25,7 +25,7 @@ from .auth import Authenticator, AuthError
 from .config import ServiceConfig
 from .engine_health import EngineHealth
 from .errors import ERROR_RESPONSES, ServeError, engine_failure, error_response, looks_dead
-from .metrics import RouterMetrics
+from .metrics import NO_TIER, RouterMetrics
 from .first_token import segments, unwrap_first
 from .routing import Decision, RequestShape, RouteError, resolve_model, route
 from .sse import relay_stream
@@ -60,6 +60,7 @@ class KVTierRouter:
         self.cfg = ServiceConfig.model_validate(config)
         self.auth = Authenticator(self.cfg)   # reads api_keys_env here: unset or empty fails the replica's start
         self.metrics = RouterMetrics()
+        self._open_mode_gauge = self.metrics.keep_open_mode(self.auth.open_mode, self.cfg.server.load_poll_s)
         self.engines = engines
         self.streams = {name: h.options(stream=True) for name, h in engines.items()}
         by_path = {path: PromptCounter(path) for path in set(model_paths.values())}
@@ -107,6 +108,7 @@ class KVTierRouter:
     async def _serve(self, request: Request, body: CompletionBody | ChatBody, kind: str) -> Response:
         t0, arrived = time.perf_counter(), time.time()
         request_id = f"kvtier-{uuid.uuid4().hex}"
+        decision: Decision | None = None
         try:
             decision = self._decide(request, body, kind)
             state = self.engine_health.state.get(decision.engine, {})
@@ -116,7 +118,7 @@ class KVTierRouter:
             payload = self._engine_payload(body, decision, kind, request_id)
             decided = time.time()
         except ServeError as exc:
-            self.metrics.rejection(exc.status, exc.reason)
+            self.metrics.rejection(exc.status, exc.reason, decision.tier.name if decision else NO_TIER)
             return error_response(exc.status, exc.message, exc.reason, exc.param, exc.headers)
         headers = {self.cfg.routing.tier_header: decision.tier.name, self.cfg.routing.reason_header: decision.reason,
                    "x-kvtier-detail": decision.detail, "x-kvtier-request-id": request_id}
@@ -125,7 +127,7 @@ class KVTierRouter:
             first, replica_times = unwrap_first(await self._first_item(gen, decision.engine))
         except Exception as exc:  # noqa: BLE001
             gen.cancel()
-            return self._reject(engine_failure(exc, decision.engine), headers)
+            return self._reject(engine_failure(exc, decision.engine), headers, decision)
         first_at = time.time()
         breakdown = segments(arrived, decided, replica_times, first_at)
         if isinstance(first, dict) and "error" in first:
@@ -135,8 +137,8 @@ class KVTierRouter:
             status = int(code) if isinstance(code, int) and 400 <= code < 600 else 500
             if status >= 500 and looks_dead(message):
                 return self._reject(ServeError(503, f"engine {decision.engine!r} failed: {message}",
-                                               "engine-unavailable", headers={"retry-after": "5"}), headers)
-            return self._reject(ServeError(status, message, "engine-rejected", err.get("param")), headers)
+                                               "engine-unavailable", headers={"retry-after": "5"}), headers, decision)
+            return self._reject(ServeError(status, message, "engine-rejected", err.get("param")), headers, decision)
         tier = decision.tier.name
         self.metrics.decision(tier, decision.reason)
         self.metrics.first_token_segments(tier, breakdown)
@@ -168,8 +170,8 @@ class KVTierRouter:
                              "engine-unavailable", headers={"retry-after": "5"})
         raise asyncio.TimeoutError()
 
-    def _reject(self, exc: ServeError, headers: dict[str, str]) -> JSONResponse:
-        self.metrics.rejection(exc.status, exc.reason)
+    def _reject(self, exc: ServeError, headers: dict[str, str], decision: Decision) -> JSONResponse:
+        self.metrics.rejection(exc.status, exc.reason, decision.tier.name)
         keep = {k: v for k, v in headers.items() if k != self.cfg.routing.reason_header}
         return error_response(exc.status, exc.message, exc.reason, exc.param, {**keep, **exc.headers})
 

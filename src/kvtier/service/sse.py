@@ -44,7 +44,8 @@ async def relay_stream(first, gen, engine: str, tier: str, t0: float, wants_usag
     done, usage, sent = False, None, False
     try:
         item = first
-        metrics.first_token(tier, time.perf_counter() - t0)
+        ttft = time.perf_counter() - t0
+        metrics.first_token(tier, ttft)
         while True:
             done = done or "data: [DONE]" in item
             item, found = take_usage(item, keep_usage_chunk=wants_usage)
@@ -61,10 +62,10 @@ async def relay_stream(first, gen, engine: str, tier: str, t0: float, wants_usag
         if not done:
             yield "data: [DONE]\n\n"
             done = True
-        metrics.finished(tier, time.perf_counter() - t0, usage)
+        metrics.finished(tier, time.perf_counter() - t0, usage, first_token_s=ttft)
     except Exception as exc:  # noqa: BLE001 - the engine died mid-stream: tell the client, then stop
         err = engine_failure(exc, engine)
-        metrics.rejection(err.status, err.reason)
+        metrics.rejection(err.status, err.reason, tier)
         payload = {"error": {"message": err.message, "type": error_type(err.status), "code": err.status}}
         yield f"data: {json.dumps(payload)}\n\n"
         done = True
