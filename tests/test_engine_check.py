@@ -57,8 +57,12 @@ def test_clean_check_passes_as_a_user_runs_it(tmp_path):
     (["--config", "src/kvtier/configs/local.yaml", "--engine", "gpu9"], "--engine 'gpu9'"),
 ])
 def test_bad_arguments_are_refused_by_name_before_any_engine(args, message):
-    proc = subprocess.run([*KVTIER, "engine", "check", *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    result = CliRunner().invoke(app, ["engine", "check", *args])
+    assert result.exit_code == 2 and message in result.stderr, result.output
 
 
 def test_an_off_table_configuration_fails_the_allowlist_check_and_serve_check_refuses(tmp_path):
