@@ -23,7 +23,7 @@ BUFFER = 16
 BUDGET = 64
 TOKENS = 200
 PROMPT = "Let x = 42. Then the answer is \\boxed{x} and we continue to reason about it " * 2
-POLICIES = ["h2o", "rkv", "vase", "triattention", "diverse"]
+POLICIES = ["h2o", "rkv", "vase", "triattention", "diverse", "random_reserve"]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_policy_matches_masked_reference(batch, replay, audit_path, policy):
     plen = len(out.prompt_token_ids)
     kept = torch.tensor(rounds[-1]["kept"])
     assert kept.shape == (4, 2, BUDGET)
-    if policy == "triattention":  # protects the prompt by default
+    if policy in ("triattention", "random_reserve"):  # protect the prompt by default
         assert (kept[..., :plen] == torch.arange(plen)).all()
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
     err = (engine_logprobs(out) - replay.logprobs(ids, plen, recs, BUFFER)).abs()
@@ -195,6 +195,19 @@ def test_triattention_without_or_with_a_mismatched_calibration_is_rejected(llm, 
     with pytest.raises(Exception, match="2 layers"):
         validate_request(spec, 10, num_layers=4, num_kv_heads=2, head_dim=64)
     assert len(llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_random_reserve_is_served_like_random_outside_selection():
+    """No keyed draw (select_one gathers its keys), no query capture, so full CUDA graphs and the prefix
+    cache stay as random's: it caches and reads its protected prompt's whole blocks."""
+    from kvtier.engine.allowlist import captured_needs
+    from kvtier.engine.config import EvictionSpec
+    from kvtier.engine.scheduler_side import prefix_cache_caps
+    from kvtier.engine.victim_selection import keyed_draw
+
+    spec = EvictionSpec(budget=BUDGET, policy="random_reserve", buffer=BUFFER, params={"reserve": 0.1})
+    assert not keyed_draw(spec.make_policy()) and captured_needs("random_reserve") == frozenset()
+    assert prefix_cache_caps(spec, 300, 128) == prefix_cache_caps(EvictionSpec(budget=BUDGET), 300, 128) == (256, 256)
 
 
 def test_rounds_bench_times_every_policy():

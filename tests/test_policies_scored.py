@@ -13,7 +13,7 @@ from kvtier.policies.snapkv import SnapKVPolicy
 from kvtier.policies.triattention import (TriAttentionCalibration, calibrate_from_samples, load_calibration,
                                           save_calibration)
 
-SCORED = ["h2o", "rkv", "vase", "triattention", "diverse"]
+SCORED = ["h2o", "rkv", "vase", "triattention", "diverse", "random_reserve"]
 R2 = math.sqrt(0.5)
 
 

@@ -224,8 +224,8 @@ TESTED: tuple[Tested, ...] = (
     Tested("model head_dim", "<= 255 (the layout probe)", _head_dim),
     Tested("model attention", "no MLA, no sliding window, text only, autoregressive", lambda c: _mla(c) or _sliding(c) or _multimodal(c)),
     Tested("compilation_config.cudagraph_mode", "NONE or PIECEWISE for every policy; FULL* for policies that read "
-           "no queries or accumulated attention (random, random_shared, random_block, recency, streaming, "
-           "triattention)", _cudagraphs),
+           "no queries or accumulated attention (random, random_shared, random_block, random_reserve, recency, "
+           "streaming, triattention)", _cudagraphs),
     Tested("scheduler_config.scheduler_cls", "vLLM's Scheduler / AsyncScheduler (the default)", _scheduler),
     Tested("KV cache groups", "one full-attention group", _kv_groups, at="kv_cache"),
     Tested("attention backend", "CPU_ATTN (CPU), FLASH_ATTN (GPU); the kernel block size equals the manager's "
