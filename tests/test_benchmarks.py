@@ -69,3 +69,42 @@ def test_bench_prefix_cache_smoke_counts_prompt_tokens_computed(tmp_path):
     for a in (k, kpc):
         assert a["generated_tokens"] == 8 * 150 and a["eviction_events"] > 0 and a["preemptions"] == 0
         assert a["free_blocks_after"] == 12
+
+
+def test_bench_capacity_gpu_arithmetic_is_the_docs_table():
+    """`kvtier bench capacity --gpu` (arithmetic, no engine): Qwen3-8B's KV pool on H100/H200 over each gpu.yaml
+    tier's reserve bound. docs/deploy.md's table is its output, and every row stays under the batch default
+    that `max_num_seqs: auto` keeps there (no kv_cache_bytes: vLLM 0.31's, 1024 on a >= 70 GiB H100)."""
+    from pathlib import Path
+
+    from kvtier.benchmarks.capacity import GPU_MEMORY, QWEN3_8B, capacity_markdown, gpu_capacity
+    from kvtier.service.config import load_config
+    from kvtier.service.sizing import kv_bytes_per_token, resolved_engine_kwargs
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "src" / "kvtier" / "configs" / "gpu.yaml")
+    assert kv_bytes_per_token(QWEN3_8B) == 36 * 8 * 128 * 2 * 2      # layers * KV heads * head_dim * (K, V) * bf16
+    r = gpu_capacity(cfg, ["H100", "H200"])
+    h100, h200 = r["gpus"]["H100"]["shared"], r["gpus"]["H200"]["shared"]
+    assert h100["block_size"] == 16 and h100["tiers"]["full"]["blocks_per_trace"] == 32768 // 16
+    assert h100["tiers"]["k1024"]["blocks_per_trace"] == (1024 + 2 * 64) // 16   # K + 2r: its prompt (<= K/2) fits
+    assert h200["pool_blocks"] > h100["pool_blocks"]
+    for engines in r["gpus"].values():
+        for eng in engines.values():
+            for t in eng["tiers"].values():
+                assert 0 < t["traces"] == eng["pool_blocks"] // t["blocks_per_trace"] < 1024
+    for name, eng in cfg.engines.items():
+        assert eng.engine_kwargs["max_num_seqs"] == "auto" and eng.kv_cache_bytes is None
+        assert "max_num_seqs" not in resolved_engine_kwargs(cfg, name, eng.model)[0]
+    assert capacity_markdown(r) in (repo / "docs" / "deploy.md").read_text()
+
+    probe = ("import vllm.platforms as P; from vllm.platforms.interface import UnspecifiedPlatform\n"
+             "class H100(UnspecifiedPlatform):\n"
+             f"    def get_device_total_memory(self, device_id=0): return {GPU_MEMORY['H100']}\n"
+             "    def get_device_name(self, device_id=0): return 'NVIDIA H100 80GB HBM3'\n"
+             "P._current_platform = H100()\n"
+             "from vllm.engine.arg_utils import EngineArgs\n"
+             "print(sorted(set(EngineArgs.get_batch_defaults(1)[1].values())))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[1024]"

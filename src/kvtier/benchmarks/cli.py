@@ -223,11 +223,26 @@ def bench_capacity(
     policy: str = typer.Option("random"),
     kv_bytes: Optional[int] = typer.Option(None, "--kv-bytes", help="KV pool bytes (default: 32 usable blocks of the tiny model)."),
     model: Optional[str] = typer.Option(None),
+    gpu: Optional[list[str]] = typer.Option(None, "--gpu", help="Arithmetic only, no engine: traces per KV pool "
+                                            "per tier of --config on this GPU (H100, H200; repeatable)."),
+    config: Optional[Path] = typer.Option(None, help="With --gpu: the service config (default: configs/gpu.yaml)."),
+    markdown: bool = typer.Option(False, "--markdown", help="With --gpu: print the table of docs/deploy.md."),
 ) -> None:
-    """Largest number of concurrent sequences without preemption, measured vs block arithmetic."""
+    """Largest number of concurrent sequences without preemption, measured vs block arithmetic; with --gpu,
+    the arithmetic for Qwen3-8B on those GPUs (src/kvtier/benchmarks/capacity.py states the assumptions)."""
     from kvtier.benchmarks.capacity import CapacityShape, run_capacity_bench
     from kvtier.models.tiny import ensure_tiny_model
 
+    if gpu:
+        from kvtier.benchmarks.capacity import capacity_markdown, gpu_capacity
+        from kvtier.service.config import load_config
+
+        report = gpu_capacity(load_config(config or Path(__file__).resolve().parents[1] / "configs" / "gpu.yaml"), gpu)
+        if markdown:
+            typer.echo(capacity_markdown(report))
+        else:
+            _print_json(report)
+        return
     shape = CapacityShape(budget=budget, buffer=buffer, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
                           policy=policy, **({"kv_bytes": kv_bytes} if kv_bytes else {}))
     report = run_capacity_bench(model or str(ensure_tiny_model()), shape)

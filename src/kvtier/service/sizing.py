@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import ServiceConfig
+from .config import EngineConfig, ServiceConfig
 
-MAX_AUTO_SEQS = 256            # vLLM's own default batch limit on a GPU
+MAX_AUTO_SEQS = 256            # vLLM's own default batch limit on a GPU under 70 GiB (1024 on H100/H200)
 CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16   # vLLM 0.31's default block sizes per platform
 # Bytes per KV value for the model dtypes an engine may be given (the KV cache follows the model's dtype).
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
@@ -34,16 +34,31 @@ def kv_bytes_per_token(model: str | Path | Mapping[str, Any], dtype_bytes: int =
     return hf["num_hidden_layers"] * kv_heads * head_dim * 2 * dtype_bytes
 
 
+def block_size(eng: EngineConfig) -> int:
+    """The engine's KV block size: its engine_kwargs' block_size, else vLLM's default on its platform."""
+    return int(eng.engine_kwargs.get("block_size") or (CPU_BLOCK_SIZE if eng.accelerator == "cpu" else GPU_BLOCK_SIZE))
+
+
+def pool_blocks(eng: EngineConfig, model: str | Path | Mapping[str, Any], kv_bytes: int) -> int:
+    """Blocks of the engine's block size that kv_bytes of its model's KV cache hold (in its dtype)."""
+    dtype_bytes = DTYPE_BYTES.get(str(eng.engine_kwargs.get("dtype", "bfloat16")), 2)
+    return kv_bytes // (kv_bytes_per_token(model, dtype_bytes) * block_size(eng))
+
+
 def auto_max_num_seqs(cfg: ServiceConfig, engine: str, model_path: str) -> tuple[int | None, str]:
     """(max_num_seqs, why) for an engine whose engine_kwargs say `max_num_seqs: auto`; (None, why) leaves
-    vLLM's default (no fixed KV size to divide, or no compressed tier)."""
+    vLLM's default (no fixed KV size to divide, or no compressed tier).
+
+    Without kv_cache_bytes (GPU engines: vLLM sizes the pool from gpu_memory_utilization once it has profiled
+    the model on the GPU, after max_num_seqs is fixed, and a worker group may mix GPU sizes) there is nothing to
+    divide here: vLLM 0.31's default, 1024 on GPUs of 70 GiB or more such as H100 and H200, is above what
+    their pools hold at any compressed tier (docs/deploy.md "KV capacity per GPU"), so memory binds anyway."""
     eng = cfg.engines[engine]
     tiers = sorted((t for t in cfg.tiers if t.engine == engine and t.compressed and t.auto), key=lambda t: t.budget)
     if eng.kv_cache_bytes is None or not tiers:
         return None, "vLLM's default (no kv_cache_bytes or no compressed auto tier to size from)"
-    block = int(eng.engine_kwargs.get("block_size") or (CPU_BLOCK_SIZE if eng.accelerator == "cpu" else GPU_BLOCK_SIZE))
-    dtype_bytes = DTYPE_BYTES.get(str(eng.engine_kwargs.get("dtype", "bfloat16")), 2)
-    total_blocks = eng.kv_cache_bytes // (kv_bytes_per_token(model_path, dtype_bytes) * block)
+    block = block_size(eng)
+    total_blocks = pool_blocks(eng, model_path, eng.kv_cache_bytes)
     t = tiers[0]
     bound = int((1.0 - cfg.routing.min_trace_share) * t.budget) + t.budget + 2 * t.buffer
     per_request = math.ceil(bound / block)
