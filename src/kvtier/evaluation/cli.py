@@ -8,7 +8,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from .cli_common import csv_list as _csv
+from .cli_common import POLICIES_HELP, csv_list as _csv, policy_items
 
 eval_app = typer.Typer(no_args_is_help=True, help="Accuracy under eviction (paper §4.1 protocol), probes, keep-logs.")
 
@@ -26,7 +26,7 @@ def eval_run(
     model: str = typer.Option(..., help="Hugging Face model directory."),
     out: Path = typer.Option(..., help="Output directory (instances.jsonl, summary.json, report.md)."),
     engine: str = typer.Option("reference", help="vllm (compressed vLLM engine) or reference (transformers)."),
-    policies: str = typer.Option("random", help="Comma-separated policies (registered names)."),
+    policies: str = typer.Option("random", help=POLICIES_HELP),
     budgets: str = typer.Option("1024", help="Comma-separated per-head budgets K."),
     protect: str = typer.Option("default", help="Comma-separated protection rules: default, on, off."),
     full: bool = typer.Option(True, "--full/--no-full", help="Also run full attention (the ceiling row)."),
@@ -58,7 +58,7 @@ def eval_run(
 
     _threads(threads)
     problems = [p for t in tasks for p in load_tasks(t, limit=limit)]
-    cells = make_grid(_csv(policies), [int(b) for b in _csv(budgets)], _csv(protect), full=full)
+    cells = make_grid(policy_items(policies), [int(b) for b in _csv(budgets)], _csv(protect), full=full)
     cfg = EvalConfig(engine=engine, model=model, family=family, system=system, runs=runs, max_tokens=max_tokens,
                      temperature=temperature, top_p=top_p, buffer=buffer, seed=seed, save_text=not no_text,
                      audit=audit, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .cli_common import csv_list as _csv
+from .cli_common import POLICIES_HELP, csv_list as _csv, policy_items
 
 
 def register(eval_app: typer.Typer) -> None:
@@ -22,7 +22,7 @@ def register(eval_app: typer.Typer) -> None:
         model: Optional[str] = typer.Option(None, help="Model directory (default: the shipped src/kvtier/models/reasoner)."),
         problems: Optional[int] = typer.Option(None, help="Held-out problems per kind (default 32; quick 16)."),
         runs: Optional[int] = typer.Option(None, help="R paired seeds per problem (default 2; quick 1)."),
-        policies: Optional[str] = typer.Option(None, help="Comma-separated (default random,snapkv,rkv,h2o,streaming)."),
+        policies: Optional[str] = typer.Option(None, help=f"{POLICIES_HELP} Default random,snapkv,rkv,h2o,streaming."),
         budgets: Optional[str] = typer.Option(None, help="Comma-separated K (default 128,256,512)."),
         kinds: Optional[str] = typer.Option(None, help="Comma-separated task kinds (default local,needle)."),
         buffer: int = typer.Option(32, help="r: recent buffer and round cadence."),
@@ -31,7 +31,8 @@ def register(eval_app: typer.Typer) -> None:
         threads: int = typer.Option(1, help="torch CPU threads."),
     ) -> None:
         """Full, random, snapkv, rkv, h2o, streaming x K on both task kinds; prints JSON, writes report.md
-        (every pairwise comparison: paired problem-clustered bootstrap CI + sign test) and the plot."""
+        (every pairwise comparison: paired problem-clustered bootstrap CI + sign test) and the plot.
+        Policies with parameters: --policies random,rkv,random_reserve:reserve=0.05,random_reserve:reserve=0.1."""
         from .reasoner_eval import QUICK, ReasonerEvalConfig, markdown_table, run_reasoner_eval
 
         kw = dict(QUICK) if quick else {}
@@ -39,7 +40,7 @@ def register(eval_app: typer.Typer) -> None:
             if val is not None:
                 kw[name] = val
         if policies:
-            kw["policies"] = tuple(_csv(policies))
+            kw["policies"] = tuple(policy_items(policies))
         if budgets:
             kw["budgets"] = tuple(int(b) for b in _csv(budgets))
         if kinds:

@@ -14,11 +14,14 @@ pairwise comparison), reasoner_eval.json (what the command prints) and accuracy_
 Printed JSON::
 
     {"full_accuracy": {"local": .., "needle": ..},
-     "cells": [{"policy", "budget", "kind", "accuracy", "ci": [lo, hi], "n", "vs_full": {diff, lo, hi,
-                p_sign, significant}}, ...],
+     "cells": [{"policy", "params", "method", "budget", "kind", "accuracy", "ci": [lo, hi], "n",
+                "vs_full": {diff, lo, hi, p_sign, significant}}, ...],
      "pairwise": [...], "config": {...}, "seconds": ..}
 
-``ci`` is the 95% problem-clustered percentile bootstrap interval of the cell's accuracy.
+``policy`` is the registered name, ``params`` its parameters ({} for none) and ``method`` the row both name
+(report.md's, e.g. ``random_reserve(reserve=0.1)``; ``--policies`` items: policy_spec.py), so variants of one
+policy are separate cells. ``ci`` is the 95% problem-clustered percentile bootstrap interval of the cell's
+accuracy.
 """
 
 from __future__ import annotations
@@ -99,11 +102,13 @@ def summarize_cells(instances: list[dict], summary: dict) -> dict:
     """The printed JSON's `full_accuracy` and `cells` from instances and report.summarize's summary."""
     full, cells = {}, []
     for kind in sorted({r["task"] for r in instances}):
-        for key in sorted({(r["policy"], r["budget"]) for r in instances if r["task"] == kind},
+        # keyed by method (report.py's rows), not policy: variants of one policy are separate cells
+        for key in sorted({(r["method"], r["budget"]) for r in instances if r["task"] == kind},
                           key=lambda k: (k[0] != "full", k[0], k[1] or 0)):
-            rows = [r for r in instances if r["task"] == kind and (r["policy"], r["budget"]) == key]
+            rows = [r for r in instances if r["task"] == kind and (r["method"], r["budget"]) == key]
             acc = float(np.mean([1.0 if r["correct"] else 0.0 for r in rows]))
-            cell = {"policy": key[0], "budget": key[1], "kind": kind, "accuracy": acc,
+            cell = {"policy": rows[0]["policy"], "params": rows[0].get("params") or {}, "method": key[0],
+                    "budget": key[1], "kind": kind, "accuracy": acc,
                     "ci": [round(x, 4) for x in accuracy_ci(rows)], "n": len(rows),
                     "mean_generated_tokens": float(np.mean([r["generated_tokens"] for r in rows]))}
             if key[0] == "full":
@@ -161,7 +166,8 @@ def run_reasoner_eval(cfg: ReasonerEvalConfig, out: str | Path, *, llm=None) -> 
 
 
 def markdown_table(result: dict) -> str:
-    """Accuracy vs budget per kind: rows policies, columns K, with the 95% CI."""
+    """Accuracy vs budget per kind: rows methods (a policy with its parameters), columns K, with the 95% CI
+    (results written before cells had a method: rows by policy)."""
     lines = []
     for kind in sorted(result["full_accuracy"]):
         cells = [c for c in result["cells"] if c["kind"] == kind]
@@ -170,10 +176,10 @@ def markdown_table(result: dict) -> str:
         lines += [f"**{kind}** (full attention: {full['accuracy']:.3f} [{full['ci'][0]:.2f}, {full['ci'][1]:.2f}])",
                   "", "| policy | " + " | ".join(f"K={b}" for b in budgets) + " |",
                   "| --- |" + " --- |" * len(budgets)]
-        for pol in dict.fromkeys(c["policy"] for c in cells if c["policy"] != "full"):
+        for pol in dict.fromkeys(c.get("method", c["policy"]) for c in cells if c["policy"] != "full"):
             row = []
             for b in budgets:
-                c = next((c for c in cells if c["policy"] == pol and c["budget"] == b), None)
+                c = next((c for c in cells if c.get("method", c["policy"]) == pol and c["budget"] == b), None)
                 if c is None:
                     row.append("–")
                     continue

@@ -1,5 +1,6 @@
 """Accuracy vs KV budget for `kvtier eval reasoner` (the paper's Figure 2 shape): one panel per problem
-kind, one line per policy over K (95% bootstrap CI as error bars), full attention as a band."""
+kind, one line per method (a policy with its parameters) over K (95% bootstrap CI as error bars), full
+attention as a band."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from pathlib import Path
 
 STYLE = {"random": ("tab:red", "o"), "snapkv": ("tab:blue", "s"), "rkv": ("tab:green", "^"),
          "h2o": ("tab:purple", "D"), "streaming": ("tab:orange", "v")}
+# lines without a style of their own (variants: random_reserve(reserve=0.1)), in order of appearance
+EXTRA = [("tab:brown", "P"), ("tab:pink", "X"), ("tab:olive", "*"), ("tab:cyan", "p"), ("tab:gray", "h"),
+         ("gold", "d"), ("navy", ">"), ("teal", "<")]
 
 
 def plot_accuracy_vs_budget(result: dict, path: str | Path) -> Path:
@@ -17,6 +21,9 @@ def plot_accuracy_vs_budget(result: dict, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     kinds = sorted({c["kind"] for c in result["cells"]})
+    name = lambda c: c.get("method", c["policy"])   # noqa: E731  results written before cells had a method
+    extra = [m for m in dict.fromkeys(map(name, result["cells"])) if m != "full" and m not in STYLE]
+    style = {**STYLE, **{m: EXTRA[i % len(EXTRA)] for i, m in enumerate(extra)}}
     fig, axes = plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 4), squeeze=False, sharey=True)
     for ax, kind in zip(axes[0], kinds):
         cells = [c for c in result["cells"] if c["kind"] == kind]
@@ -25,12 +32,12 @@ def plot_accuracy_vs_budget(result: dict, path: str | Path) -> Path:
         if full is not None:
             ax.axhline(full["accuracy"], color="black", lw=1.5, label="full attention")
             ax.axhspan(full["ci"][0], full["ci"][1], color="black", alpha=0.08)
-        for pol in dict.fromkeys(c["policy"] for c in cells if c["policy"] != "full"):
-            pts = sorted((c["budget"], c["accuracy"], c["ci"]) for c in cells if c["policy"] == pol)
+        for pol in dict.fromkeys(name(c) for c in cells if c["policy"] != "full"):
+            pts = sorted((c["budget"], c["accuracy"], c["ci"]) for c in cells if name(c) == pol)
             xs = [p[0] for p in pts]
             ys = [p[1] for p in pts]
             err = [[y - p[2][0] for y, p in zip(ys, pts)], [p[2][1] - y for y, p in zip(ys, pts)]]
-            color, marker = STYLE.get(pol, (None, "x"))
+            color, marker = style[pol]
             ax.errorbar(xs, ys, yerr=err, color=color, marker=marker, capsize=3, label=pol)
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets)

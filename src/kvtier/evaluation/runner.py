@@ -6,8 +6,9 @@ reference engine of this package, same schedule). Both get the same requests: pe
 sampling seed and one eviction seed shared by every cell (common random numbers, so cells are paired by
 problem *and* run).
 
-A cell is (policy, budget, protection); protection is ``default`` (the policy's own rule), ``on``
-(the prompt is never evicted) or ``off`` (the score alone). ``full`` (no eviction) is the ceiling row.
+A cell is (policy with its parameters, budget, protection); protection is ``default`` (the policy's own
+rule), ``on`` (the prompt is never evicted) or ``off`` (the score alone). ``full`` (no eviction) is the
+ceiling row.
 A prompt that cannot be protected within the budget is recorded as skipped (``correct: null``) and its
 cell is reported as incomplete.
 """
@@ -23,6 +24,7 @@ from typing import Sequence
 from kvtier.engine.config import EvictionSpec
 
 from .grader import grade, grader_backend
+from .policy_spec import parse_policies, variant_name
 from .tasks import Problem, build_prompt, detect_family
 
 PROTECTIONS = ("default", "on", "off")
@@ -33,6 +35,8 @@ class Cell:
     policy: str                 # a registered policy name, or "full"
     budget: int | None = None
     protect: str = "default"
+    # the policy's parameters (make_policy's keywords, sent as kvtier_params); not hashed: a dict
+    params: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if self.protect not in PROTECTIONS:
@@ -42,10 +46,10 @@ class Cell:
 
     @property
     def method(self) -> str:
-        """Row label: the policy and its protection rule."""
+        """Row label: the policy with its parameters, and its protection rule."""
         if self.policy == "full":
             return "full"
-        return self.policy + {"default": "", "on": "+prompt", "off": "-prompt"}[self.protect]
+        return variant_name(self.policy, self.params) + {"default": "", "on": "+prompt", "off": "-prompt"}[self.protect]
 
     @property
     def label(self) -> str:
@@ -55,18 +59,27 @@ class Cell:
         if self.policy == "full":
             return EvictionSpec(budget=None, buffer=buffer)
         prot = {"default": None, "on": True, "off": False}[self.protect]
-        return EvictionSpec(policy=self.policy, budget=self.budget, buffer=buffer, protect_prompt=prot, seed=seed)
+        return EvictionSpec(policy=self.policy, budget=self.budget, buffer=buffer, protect_prompt=prot, seed=seed,
+                            params=self.params)
+
+    def extra_args(self, buffer: int, seed: int | None) -> dict | None:
+        """The vLLM request's `SamplingParams.extra_args` (kvtier_params carries the parameters); full: None,
+        the engine default (no budget)."""
+        spec = self.spec(buffer, seed)
+        return spec.to_extra_args() if spec.compressed else None
 
 
 def make_grid(policies: Sequence[str], budgets: Sequence[int], protections: Sequence[str] = ("default",),
               full: bool = True) -> list[Cell]:
+    """policies: names or `name:key=value` items (policy_spec.py), each refused here if it cannot be built."""
     cells = [Cell("full")] if full else []
+    specs = parse_policies(policies)
     for b in budgets:
-        for p in policies:
+        for p, params in specs:
             if p == "full":
                 continue
             for prot in protections:
-                cells.append(Cell(p, int(b), prot))
+                cells.append(Cell(p, int(b), prot, params))
     return cells
 
 
@@ -133,8 +146,8 @@ def _record(job: dict, cfg: EvalConfig, tokenizer, token_ids: Sequence[int], fin
     cell: Cell = job["cell"]
     rec = {
         "task": job["problem"].task, "pid": job["problem"].pid, "run": job["run"], "cell": cell.label,
-        "method": cell.method, "policy": cell.policy, "budget": cell.budget, "protect": cell.protect,
-        "engine": cfg.engine, "seed": job["seed"], "prompt_tokens": len(job["prompt_ids"]),
+        "method": cell.method, "policy": cell.policy, "params": cell.params, "budget": cell.budget,
+        "protect": cell.protect, "engine": cfg.engine, "seed": job["seed"], "prompt_tokens": len(job["prompt_ids"]),
         "generated_tokens": len(token_ids), "finish_reason": finish, "rounds": rounds,
         "gold": job["problem"].answer, "extracted": g.extracted, "correct": g.correct, "grade_method": g.method,
         "req_id": req_id,
@@ -147,8 +160,8 @@ def _record(job: dict, cfg: EvalConfig, tokenizer, token_ids: Sequence[int], fin
 def _skip_record(job: dict, why: str, cfg: EvalConfig) -> dict:
     cell: Cell = job["cell"]
     return {"task": job["problem"].task, "pid": job["problem"].pid, "run": job["run"], "cell": cell.label,
-            "method": cell.method, "policy": cell.policy, "budget": cell.budget, "protect": cell.protect,
-            "engine": cfg.engine, "seed": job["seed"], "prompt_tokens": len(job["prompt_ids"]),
+            "method": cell.method, "policy": cell.policy, "params": cell.params, "budget": cell.budget,
+            "protect": cell.protect, "engine": cfg.engine, "seed": job["seed"], "prompt_tokens": len(job["prompt_ids"]),
             "generated_tokens": 0, "correct": None, "skipped": why, "gold": job["problem"].answer,
             "req_id": job["req_id"]}
 
@@ -167,10 +180,9 @@ def _run_vllm(jobs, cfg: EvalConfig, llm, tokenizer, audit_path: str | None) -> 
                         kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)), **kw)
     prompts, params = [], []
     for job, _ in jobs:
-        spec = job["cell"].spec(cfg.buffer, job["seed"])
         params.append(SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
                                      top_p=cfg.top_p if cfg.temperature > 0 else 1.0, seed=job["seed"],
-                                     extra_args=spec.to_extra_args() if spec.compressed else None))
+                                     extra_args=job["cell"].extra_args(cfg.buffer, job["seed"])))
         prompts.append({"prompt_token_ids": job["prompt_ids"]})
     outs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
     rounds = {}
