@@ -40,8 +40,8 @@ def test_docs_rl_command_runs_as_written(tmp_path):
     from kvtier.rollout.verl_config import CONFIG_DIR, GRPO_CONFIG
 
     script = docs_command()
-    given = dict(re.findall(r"(\S+)=\.\.\.", script))          # the placeholders the user fills in
-    assert set(given) == {"actor_rollout_ref.model.path", "data.train_files", "data.val_files"}, given
+    given = set(re.findall(r"(\S+)=\.\.\.", script))           # the placeholders the user fills in
+    assert given == {"actor_rollout_ref.model.path", "data.train_files", "data.val_files"}, given
     model = str(ensure_tiny_model())
     train, val = toy_task.write_dataset(tmp_path / "data", 8)
     script = (script.replace("actor_rollout_ref.model.path=...", f"actor_rollout_ref.model.path={model}")
