@@ -11,7 +11,7 @@ WINDOW = "10m"   # $__rate_interval: each live test's load fits in it
 def expand(expr: str) -> str:
     """A panel's PromQL with Grafana's variables as a dashboard set to 'All' sends them."""
     expr = expr.replace("$__rate_interval", WINDOW)
-    return re.sub(r"\$\{?(model_name|deployment|tier)\}?", ".*", expr)
+    return re.sub(r"\$\{?(namespace|cluster|deployment|tier)\}?", ".*", expr)
 
 
 def wait_for(what: str, check, timeout: float = 90):

@@ -110,9 +110,11 @@ def test_every_panel_query_uses_catalog_names_only(built):
         for title, expr in queries:
             assert promql.check(expr) == [], (uid, title)
         for name, query in dashboards.variable_queries(data):
-            metric, label = promql.label_values_arguments(query)
+            selector, label = promql.label_values_arguments(query)
+            assert promql.check(selector) == [], (uid, name, query)
+            metric = promql.selectors(selector)[0][0]
             assert metric in catalog.SERIES, (uid, name, query)
-            assert label in catalog.SERIES[metric].all_labels, (uid, name, query)
+            assert label in catalog.SERIES[metric].all_labels + catalog.TARGET_LABELS, (uid, name, query)
 
 
 def test_panel_queries_parse_with_promtool(built, tmp_path):

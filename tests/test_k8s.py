@@ -432,10 +432,42 @@ def test_network_policies_limit_who_reaches_the_ray_pods(target):
     assert internal == [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvtier"}}}]}]
 
 
-def _extra_manifests() -> list[tuple[Path, dict]]:
-    """One-off manifests kept beside the overlays but outside the kustomizations (e.g. the model download)."""
-    return [(p, d) for p in sorted(K8S.glob("overlays/*/jobs/*.yaml"))
-            for d in yaml.safe_load_all(p.read_text()) if d]
+def _extra_manifests() -> list[tuple[str, dict]]:
+    """One-off manifests (e.g. the model download), rendered from each overlay's jobs/ kustomization, which
+    is applied on its own (a Job runs once)."""
+    return [(target, d) for target in (str(p.parent.relative_to(K8S / "overlays"))
+                                       for p in sorted(K8S.glob("overlays/*/jobs/kustomization.yaml")))
+            for d in render(target)]
+
+
+def test_every_one_off_manifest_is_in_its_kustomization():
+    for jobs in sorted(K8S.glob("overlays/*/jobs")):
+        listed = yaml.safe_load((jobs / "kustomization.yaml").read_text())["resources"]
+        assert sorted(listed) == sorted(p.name for p in jobs.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def _images(objs: list[dict]) -> set[str]:
+    return {c["image"] for o in objs for _, pod in pod_templates(o) for c in _containers(pod)}
+
+
+def test_one_off_jobs_run_the_overlays_image_wherever_it_is_set(tmp_path):
+    """The Job's image is the RayService's, also after `kustomize edit set image` in the overlay's image
+    component (which writes the entry below), so a registry set once reaches both."""
+    assert _images(render("gpu/jobs")) == _images([one(render("gpu"), "RayService")]) == \
+        {"ghcr.io/kvtier/kvtier:0.1.0-cuda13.0"}
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    component = copy / "overlays" / "gpu" / "image" / "kustomization.yaml"
+    doc = yaml.safe_load(component.read_text())
+    assert doc["kind"] == "Component" and [i["name"] for i in doc["images"]] == ["ghcr.io/kvtier/kvtier"]
+    doc["images"] = [{"name": "ghcr.io/kvtier/kvtier", "newName": "registry.example.com/kvtier", "newTag": "9.9"}]
+    component.write_text(yaml.safe_dump(doc))
+    for target in ("gpu", "gpu/jobs"):
+        proc = subprocess.run([KUBECTL, "kustomize", str(copy / "overlays" / target)], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        objs = [d for d in yaml.load_all(proc.stdout, Loader=_Loader) if d]
+        assert _images([o for o in objs if o["kind"] in ("RayService", "Job")]) == {"registry.example.com/kvtier:9.9"}
 
 
 def test_one_off_manifests_validate_and_are_secure():
@@ -444,6 +476,7 @@ def test_one_off_manifests_validate_and_are_secure():
     extra = _extra_manifests()
     assert extra, "expected the gpu model-download Job"
     for path, obj in extra:
+        assert obj["metadata"]["namespace"] == one(render("gpu"), "Namespace")["metadata"]["name"], path
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         for where, pod in pod_templates(obj):
             assert pod["spec"]["securityContext"]["runAsNonRoot"] is True, path
@@ -668,8 +701,13 @@ def test_gpu_dockerfile():
     text = _dockerfile("Dockerfile")
     base = re.search(r"^ARG CUDA_IMAGE=(\S+)", text, re.M).group(1)
     assert re.fullmatch(r"nvidia/cuda:13\.0\.\d+-[a-z-]+-ubuntu\d+\.\d+", base), base   # torch 2.13 wheels: CUDA 13.0
-    assert re.search(r"pip install[^\n]*\[gpu,serve\]", text)
-    assert "kvtier.engine.plugin:register" in text       # the build checks the vLLM plugin entry point
+    # kvtier[gpu,serve]; the RL image is the same build with the rollout extra (tests/test_images.py resolves both)
+    assert re.search(r"^ARG KVTIER_EXTRAS=gpu,serve$", text, re.M)
+    assert re.search(r'pip install[^\n]*"/opt/kvtier/src\[\$\{KVTIER_EXTRAS\}\]"', text)
+    assert "--build-arg KVTIER_EXTRAS=gpu,serve,rollout" in text
+    # the build imports torch (CUDA 13.0), vLLM and registers kvtier's plugin (docker/image_check.py)
+    assert re.search(r'^RUN python /opt/kvtier/image_check.py --extras "\$\{KVTIER_EXTRAS\}" --cuda 13\.0$', text, re.M)
+    assert "register()" in (REPO / "docker" / "image_check.py").read_text()
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1] == "1000", "run as a numeric non-root user (runAsNonRoot can only check numbers)"
     assert (REPO / "docker" / "Dockerfile.dockerignore").exists()
@@ -678,6 +716,7 @@ def test_gpu_dockerfile():
 def test_cpu_dockerfile():
     text = _dockerfile("Dockerfile.cpu")
     assert re.search(r"pip install[^\n]*\[cpu,serve\]", text)
+    assert re.search(r"^RUN python /opt/kvtier/image_check.py --extras cpu,serve$", text, re.M)
     assert "kvtier model tiny --out /opt/kvtier/models/tiny-qwen3" in text
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1] == "1000"

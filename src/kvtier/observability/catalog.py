@@ -8,10 +8,11 @@ Dashboards (`kvtier.observability.dashboards`), the PrometheusRule alerts (`k8s/
 How the scraped names arise:
 - Ray prefixes every application metric with `ray_`; a Ray `Counter` is exposed as `<name>_total`,
   a `Histogram` as `<name>_bucket` / `_sum` / `_count`, a `Gauge` as `<name>`.
-- vLLM metrics inside Ray Serve LLM (`LLMConfig(log_engine_metrics=True)`): vLLM's
-  `RayPrometheusStatLogger` re-creates its Prometheus metrics as Ray metrics and replaces `:` by `_`,
-  so `vllm:num_preemptions` (a counter) is scraped as `ray_vllm_num_preemptions_total`. Labels:
-  `model_name` (the served model id, `engines.<name>.model_id`), `engine` (engine index) and `ReplicaId`.
+- vLLM metrics inside Ray Serve LLM: vLLM's `RayPrometheusStatLogger` re-creates its Prometheus metrics as
+  Ray metrics and replaces `:` by `_`, so `vllm:num_preemptions` (a counter) is scraped as
+  `ray_vllm_num_preemptions_total`. Labels: `model_name` (the served model id, `engines.<name>.model_id`,
+  which engines may share), `engine` (engine index), `ReplicaId` (a replica's random id) and `deployment`
+  (`engine-<name>`), which kvtier's subclass of that logger adds (`kvtier.service.engine_metrics`).
 - Metrics created with `ray.serve.metrics` inside a Serve replica get `deployment`, `replica` and
   `application` automatically (they are reserved: do not pass them as tag keys). With
   `ray.util.metrics` the exporter must add `deployment` itself.
@@ -43,6 +44,9 @@ TRAINER = "kvtier verl trainer"
 SERVE = "Ray Serve"
 KUBERAY = "KubeRay operator"
 
+# vLLM's labels and ReplicaId (vLLM's Ray wrappers), `deployment` (kvtier's stat logger): split engines by
+# `deployment`, as kvtier's own engine metrics, since two engines may serve one model_name
+VLLM_LABELS = ("model_name", "engine", "deployment", "ReplicaId")
 RAY_LABELS = ("WorkerId", "Component", "NodeAddress", "SessionName", "Version", "JobId", "ip", "pid")
 TARGET_LABELS = ("namespace", "pod", "instance", "job", "container", "endpoint", "service",
                  "ray_io_cluster", "ray_io_node_type")
@@ -78,7 +82,7 @@ class Metric:
 
 def _vllm(name: str, type_: MetricType, help_: str, unit: str = "") -> Metric:
     suffix = "_total" if type_ == "counter" else ""
-    return Metric(f"ray_vllm_{name}{suffix}", type_, ("model_name", "engine", "ReplicaId"), help_, VLLM, unit,
+    return Metric(f"ray_vllm_{name}{suffix}", type_, VLLM_LABELS, help_, VLLM, unit,
                   source=f"vllm:{name}")
 
 
@@ -238,8 +242,10 @@ def markdown(metrics: Iterable[Metric] = METRICS) -> str:
         "port (`ray_` prefix; counters end in `_total`; histograms add `_bucket`, `_sum`, `_count`), and "
         "the RayService conditions KubeRay's operator exports (`kuberay_`, scraped from the operator).",
         "Labels listed are the metric's own; Ray adds `WorkerId`, `Component`, `NodeAddress`, `SessionName`, "
-        "`Version`, and the scrape adds `namespace`, `pod`, `instance`, `ray_io_cluster`. Metrics created "
-        "with `ray.serve.metrics` inside a replica also get `deployment`, `replica`, `application`.",
+        "`Version`, and the scrape adds `namespace`, `pod`, `instance`, `ray_io_cluster` (the dashboards' "
+        "`namespace` and `cluster` variables). Metrics created with `ray.serve.metrics` inside a replica also "
+        "get `deployment`, `replica`, `application`. Engines are told apart by `deployment` (`engine-<name>`), "
+        "vLLM's metrics too: two engines may serve one `model_name`.",
         "Ray 2.60 exports a histogram's `_sum` from bucket midpoints (`_count` and `_bucket` are exact), and its "
         "metrics agent keeps a gauge value for two export intervals (`metrics_report_interval_ms`, 10 s by "
         "default): kvtier refreshes its gauges on every load poll.",

@@ -19,23 +19,24 @@ from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import units
 
 from .grafana_panels import (RATE, PanelIds, base_dashboard, heatmap_panel, mean, metric, quantile, rate, rate_or_zero,
-                             series, stat_panel, timeseries_panel, variables)
+                             scoped, series, stat_panel, timeseries_panel, variables)
 
 
 # -- dashboards --------------------------------------------------------------------------------------
 def operations() -> dm.Dashboard:
-    """Batch, preemptions, tok/s per tier and engine, KV use, evictions, round time, routing, latency."""
+    """Batch, preemptions, tok/s per tier and engine, KV use, evictions, round time, routing, latency. Engines
+    are split by `deployment`, vLLM's metrics too (two engines may serve one model id: configs/gpu.yaml)."""
     pid = PanelIds()
-    model = '{model_name=~"$model_name"}'
-    dep = '{deployment=~"$deployment"}'
-    tier = '{tier=~"$tier"}'
+    every = scoped()
+    dep = scoped('deployment=~"$deployment"')
+    tier = scoped('tier=~"$tier"')
     d = base_dashboard("kvtier-operations", "kvtier / operations",
               "Serving under a bounded KV cache: batch, preemptions, throughput per tier and engine, KV use, "
               "eviction work, routing and latency. Metrics: docs/metrics.md.")
     d = d.variables(variables(
-        ("model_name", "Engine (model id)", f"label_values({metric('ray_vllm_generation_tokens_total')}, model_name)"),
-        ("deployment", "Engine deployment", f"label_values({metric('ray_kvtier_kv_blocks_used')}, deployment)"),
-        ("tier", "Tier", f"label_values({metric('ray_kvtier_router_decisions_total')}, tier)"),
+        "ray_serve_deployment_replica_healthy",
+        ("deployment", "Engine deployment", f"label_values({metric('ray_kvtier_kv_blocks_used')}{every}, deployment)"),
+        ("tier", "Tier", f"label_values({metric('ray_kvtier_router_decisions_total')}{every}, tier)"),
     ))
 
     d = d.with_row(db.Row("Overview").id(pid()))
@@ -46,7 +47,7 @@ def operations() -> dm.Dashboard:
     d = d.with_panel(stat_panel(pid(), "Waiting requests", "Requests queued in the engines' schedulers.",
                            f"sum({metric('ray_kvtier_requests_waiting')}{dep})", "waiting", "short"))
     d = d.with_panel(stat_panel(pid(), "Healthy replicas", "Healthy Serve replicas, all deployments.",
-                           f"sum({metric('ray_serve_deployment_replica_healthy')})", "replicas", "short"))
+                           f"sum({metric('ray_serve_deployment_replica_healthy')}{every})", "replicas", "short"))
 
     d = d.with_row(db.Row("Batch and preemption").id(pid()))
     d = d.with_panel(timeseries_panel(
@@ -58,9 +59,9 @@ def operations() -> dm.Dashboard:
         "short"))
     d = d.with_panel(timeseries_panel(
         pid(), "Preemptions/s: all and compressed",
-        "All preemptions (vLLM, per engine) and preemptions of compressed requests (kvtier, per deployment). "
+        "All preemptions (vLLM) and preemptions of compressed requests (kvtier), per engine deployment. "
         "Reserve admission keeps compressed preemptions at 0.",
-        [(rate("ray_vllm_num_preemptions_total", model, "model_name"), "all {{model_name}}"),
+        [(rate("ray_vllm_num_preemptions_total", dep, "deployment"), "all {{deployment}}"),
          (rate_or_zero("ray_kvtier_preemptions_compressed_total", "ray_kvtier_kv_blocks_used", dep, "deployment"),
           "compressed {{deployment}}")],
         "ops"))
@@ -73,9 +74,9 @@ def operations() -> dm.Dashboard:
         "short"))
     d = d.with_panel(timeseries_panel(
         pid(), "Tokens/s per engine", "Output and prompt (prefill, recomputation included) tokens per second "
-        "by engine (vLLM).",
-        [(rate("ray_vllm_generation_tokens_total", model, "model_name"), "generated {{model_name}}"),
-         (rate("ray_vllm_prompt_tokens_total", model, "model_name"), "prompt {{model_name}}")],
+        "by engine deployment (vLLM).",
+        [(rate("ray_vllm_generation_tokens_total", dep, "deployment"), "generated {{deployment}}"),
+         (rate("ray_vllm_prompt_tokens_total", dep, "deployment"), "prompt {{deployment}}")],
         "short"))
 
     d = d.with_row(db.Row("KV cache").id(pid()))
@@ -83,11 +84,11 @@ def operations() -> dm.Dashboard:
     free = f"sum by (deployment) ({metric('ray_kvtier_kv_blocks_free')}{dep})"
     d = d.with_panel(timeseries_panel(
         pid(), "KV use: vLLM and kvtier",
-        "vLLM's KV-cache usage per engine next to kvtier's true usage after reclaim, used / (used + free) "
-        "per deployment. vLLM's figure can lag behind in-place reclaim, and vLLM sets it only on engine "
-        "steps (an idle engine reads 0 here).",
-        [(f"max by (model_name) ({metric('ray_vllm_kv_cache_usage_perc')}{model}) or "
-          f"(0 * max by (model_name) ({metric('ray_vllm_generation_tokens_total')}{model}))", "vLLM {{model_name}}"),
+        "vLLM's KV-cache usage next to kvtier's true usage after reclaim, used / (used + free), per engine "
+        "deployment. vLLM's figure can lag behind in-place reclaim, and vLLM sets it only on engine steps (an "
+        "idle engine reads 0 here).",
+        [(f"max by (deployment) ({metric('ray_vllm_kv_cache_usage_perc')}{dep}) or "
+          f"(0 * max by (deployment) ({metric('ray_vllm_generation_tokens_total')}{dep}))", "vLLM {{deployment}}"),
          (f"{used} / ({used} + {free})", "kvtier {{deployment}}")],
         units.PercentUnit, min_val=0))
     d = d.with_panel(timeseries_panel(
@@ -130,23 +131,23 @@ def operations() -> dm.Dashboard:
     d = d.with_panel(timeseries_panel(
         pid(), "Rejections and hang-ups/s", "Requests rejected by the router per second, by HTTP status and "
         "reason, and streams the client abandoned (engine request aborted), by tier.",
-        [(rate("ray_kvtier_router_rejections_total", "", "status, reason"), "{{status}} {{reason}}"),
+        [(rate("ray_kvtier_router_rejections_total", every, "status, reason"), "{{status}} {{reason}}"),
          (rate("ray_kvtier_router_cancelled_total", tier, "tier"), "hung up {{tier}}")],
         "reqps", w=8, stack=True))
     d = d.with_panel(timeseries_panel(
         pid(), "HTTP errors/s and replicas", "Error responses of Serve's proxy per second by code, and "
         "healthy replicas per deployment.",
-        [(rate("ray_serve_num_http_error_requests_total", "", "error_code"), "HTTP {{error_code}}"),
-         (f"sum by (deployment) ({metric('ray_serve_deployment_replica_healthy')})", "replicas {{deployment}}")],
+        [(rate("ray_serve_num_http_error_requests_total", every, "error_code"), "HTTP {{error_code}}"),
+         (f"sum by (deployment) ({metric('ray_serve_deployment_replica_healthy')}{every})", "replicas {{deployment}}")],
         "short", w=8))
 
     d = d.with_row(db.Row("Latency").id(pid()))
     d = d.with_panel(timeseries_panel(
         pid(), "Time to first token p50 / p99",
-        "Per tier as the router sees it, and inside each engine (vLLM).",
+        "Per tier as the router sees it, and inside each engine deployment (vLLM).",
         [(quantile(0.5, "ray_kvtier_router_ttft_seconds", tier, "tier"), "p50 {{tier}}"),
          (quantile(0.99, "ray_kvtier_router_ttft_seconds", tier, "tier"), "p99 {{tier}}"),
-         (quantile(0.99, "ray_vllm_time_to_first_token_seconds", model, "model_name"), "engine p99 {{model_name}}")],
+         (quantile(0.99, "ray_vllm_time_to_first_token_seconds", dep, "deployment"), "engine p99 {{deployment}}")],
         units.Seconds, w=8))
     d = d.with_panel(timeseries_panel(
         pid(), "Time to first token by segment (mean)",
@@ -156,16 +157,17 @@ def operations() -> dm.Dashboard:
         units.Seconds, w=8, stack=True))
     d = d.with_panel(timeseries_panel(
         pid(), "Time per output token p50 / p99", "Per tier as the router sees it (each stream's mean), and "
-        "the inter-token latency inside each engine (vLLM).",
+        "the inter-token latency inside each engine deployment (vLLM).",
         [(quantile(0.99, "ray_kvtier_router_tpot_seconds", tier, "tier"), "p99 {{tier}}"),
-         (quantile(0.5, "ray_vllm_inter_token_latency_seconds", model, "model_name"), "engine p50 {{model_name}}"),
-         (quantile(0.99, "ray_vllm_inter_token_latency_seconds", model, "model_name"), "engine p99 {{model_name}}")],
+         (quantile(0.5, "ray_vllm_inter_token_latency_seconds", dep, "deployment"), "engine p50 {{deployment}}"),
+         (quantile(0.99, "ray_vllm_inter_token_latency_seconds", dep, "deployment"), "engine p99 {{deployment}}")],
         units.Seconds, w=8))
     d = d.with_panel(timeseries_panel(
-        pid(), "End-to-end latency p50 / p99", "Per tier as the router sees it, and inside each engine (vLLM).",
+        pid(), "End-to-end latency p50 / p99", "Per tier as the router sees it, and inside each engine "
+        "deployment (vLLM).",
         [(quantile(0.5, "ray_kvtier_router_request_latency_seconds", tier, "tier"), "p50 {{tier}}"),
          (quantile(0.99, "ray_kvtier_router_request_latency_seconds", tier, "tier"), "p99 {{tier}}"),
-         (quantile(0.99, "ray_vllm_e2e_request_latency_seconds", model, "model_name"), "engine p99 {{model_name}}")],
+         (quantile(0.99, "ray_vllm_e2e_request_latency_seconds", dep, "deployment"), "engine p99 {{deployment}}")],
         units.Seconds, w=8))
     return d.build()
 
@@ -173,52 +175,58 @@ def operations() -> dm.Dashboard:
 def rollout() -> dm.Dashboard:
     """RL rollout: tok/s, response lengths, evictions per sample, the learner-vs-sampler tail."""
     pid = PanelIds()
+    every = scoped()
     d = base_dashboard("kvtier-rollout", "kvtier / RL rollout",
               "RL rollouts on the compressed engine: generation throughput, response lengths and evictions per "
               "sample. Metrics: docs/metrics.md.")
-    d = d.variables(variables())
+    d = d.variables(variables("ray_kvtier_rollout_generation_tokens_total"))
     d = d.with_row(db.Row("Throughput").id(pid()))
     d = d.with_panel(stat_panel(pid(), "Rollout tok/s", "Tokens generated per second by rollout servers.",
-                           rate("ray_kvtier_rollout_generation_tokens_total"), "tok/s", "short", w=6, h=8))
+                           rate("ray_kvtier_rollout_generation_tokens_total", every), "tok/s", "short", w=6, h=8))
     d = d.with_panel(timeseries_panel(
         pid(), "Rollout tokens/s", "Tokens generated per second by rollout servers.",
-        [(rate("ray_kvtier_rollout_generation_tokens_total"), "generated")], "short", w=18))
+        [(rate("ray_kvtier_rollout_generation_tokens_total", every), "generated")], "short", w=18))
     d = d.with_row(db.Row("Response length").id(pid()))
     n = "ray_kvtier_rollout_response_length_tokens"
     d = d.with_panel(timeseries_panel(
         pid(), "Response length p50 / p90 / p99 / mean", "Response tokens per sample. The mean is exact "
         "(generated tokens / samples); the quantiles interpolate within buckets.",
-        [(quantile(0.5, n), "p50"), (quantile(0.9, n), "p90"), (quantile(0.99, n), "p99"),
-         (f"{rate('ray_kvtier_rollout_generation_tokens_total')} / sum (rate({series(n, 'count')}[{RATE}]))", "mean")],
+        [(quantile(0.5, n, every), "p50"), (quantile(0.9, n, every), "p90"), (quantile(0.99, n, every), "p99"),
+         (f"{rate('ray_kvtier_rollout_generation_tokens_total', every)} / "
+          f"sum (rate({series(n, 'count')}{every}[{RATE}]))", "mean")],
         "short"))
     d = d.with_panel(heatmap_panel(pid(), "Response length distribution", "Samples per response-length bucket.",
-                              n, "short"))
+                              n, "short", every))
     d = d.with_row(db.Row("Evictions per sample").id(pid()))
     e = "ray_kvtier_rollout_evictions_per_sample"
     d = d.with_panel(timeseries_panel(
         pid(), "Evictions per sample p50 / p90 / p99 / mean", "Eviction rounds applied to each sample (with a "
         "budget). Ray computes a histogram's sum from bucket midpoints, so the mean is approximate.",
-        [(quantile(0.5, e), "p50"), (quantile(0.9, e), "p90"), (quantile(0.99, e), "p99"), (mean(e), "mean")],
+        [(quantile(0.5, e, every), "p50"), (quantile(0.9, e, every), "p90"), (quantile(0.99, e, every), "p99"),
+         (mean(e, every), "mean")],
         "short"))
     d = d.with_panel(heatmap_panel(pid(), "Evictions per sample distribution", "Samples per eviction-count bucket.",
-                              e, "short"))
+                              e, "short", every))
     d = d.with_row(db.Row("Learner vs sampler").id(pid()))
     lm = metric("ray_kvtier_rl_learner_mismatch")
     d = d.with_panel(timeseries_panel(
         pid(), "Per-token ratio tail (pi_learner / pi_rollout)", "The last training step's per-token ratio over "
         "response tokens: 1st percentile and minimum. Training on compressed rollouts stays stable while the "
         "lower tail stays above ~0.86 (Sparrow); learner replay keeps it at 1 up to numerics.",
-        [(f'{lm}{{stat="token_ratio_p01"}}', "p01 {{learner}}"), (f'{lm}{{stat="token_ratio_min"}}', "min {{learner}}")],
+        [(lm + scoped('stat="token_ratio_p01"'), "p01 {{learner}}"),
+         (lm + scoped('stat="token_ratio_min"'), "min {{learner}}")],
         "short", min_val=None))
     d = d.with_panel(timeseries_panel(
         pid(), "Share of tokens below 0.86, KL", "Share of response tokens whose ratio is below 0.86, and the k3 "
         "KL(rollout || learner) per token, of the last training step.",
-        [(f'{lm}{{stat="share_below_0_86"}}', "share < 0.86 {{learner}}"), (f'{lm}{{stat="kl"}}', "KL {{learner}}")],
+        [(lm + scoped('stat="share_below_0_86"'), "share < 0.86 {{learner}}"),
+         (lm + scoped('stat="kl"'), "KL {{learner}}")],
         "short"))
     d = d.with_panel(timeseries_panel(
         pid(), "Samples by replay record, by path", "Training samples per second the rollout returned with a "
         "record the learner can replay, or without and why (full attention, rebuilt cache, several calls, a "
-        "policy that reads the cache, no record); a dense learner replays none of them.", [(rate("ray_kvtier_rl_samples_replayable_total", by="path"), "{{path}}")],
+        "policy that reads the cache, no record); a dense learner replays none of them.",
+        [(rate("ray_kvtier_rl_samples_replayable_total", every, "path"), "{{path}}")],
         "short", w=24, stack=True))
     return d.build()
 

@@ -20,6 +20,9 @@ from . import catalog
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 RATE = "$__rate_interval"
 TAGS = ["kvtier"]
+# Every query is scoped to the `namespace` and `cluster` variables: the scrape's target labels (the
+# PodMonitor's `ray_io_cluster` is the RayCluster, so a zero-downtime upgrade's pending cluster stays apart)
+SCOPE = 'namespace=~"$namespace", ray_io_cluster=~"$cluster"'
 
 
 def metric(name: str) -> str:
@@ -30,6 +33,11 @@ def metric(name: str) -> str:
 def series(name: str, part: str) -> str:
     """A catalog series name: series("ray_kvtier_eviction_round_seconds", "bucket")."""
     return catalog.series(name, part)
+
+
+def scoped(*matchers: str) -> str:
+    """A label selector within the dashboard's namespace and cluster: scoped('tier=~"$tier"')."""
+    return "{" + ", ".join((SCOPE, *matchers)) + "}"
 
 
 def rate(name: str, sel: str = "", by: str = "") -> str:
@@ -100,9 +108,9 @@ def stat_panel(pid: int, title: str, description: str, expr: str, legend: str, u
     )
 
 
-def heatmap_panel(pid: int, title: str, description: str, name: str, unit: str, *, w: int = 12,
+def heatmap_panel(pid: int, title: str, description: str, name: str, unit: str, selector: str, *, w: int = 12,
              h: int = 8) -> heatmap.Panel:
-    expr = f"sum by (le) (increase({series(name, 'bucket')}[{RATE}]))"
+    expr = f"sum by (le) (increase({series(name, 'bucket')}{selector}[{RATE}]))"
     return (
         heatmap.Panel().id(pid).title(title).description(description).datasource(DATASOURCE)
         .span(w).height(h).calculate(False)
@@ -116,9 +124,14 @@ def heatmap_panel(pid: int, title: str, description: str, name: str, unit: str, 
     )
 
 
-def variables(*names: tuple[str, str, str]) -> list:
+def variables(scope_metric: str, *names: tuple[str, str, str]) -> list:
+    """Data source, namespace and cluster (values of scope_metric, a series every target of the dashboard
+    exports), then `names`: (name, label, query) query variables."""
+    m = metric(scope_metric)
+    scope = (("namespace", "Namespace", f"label_values({m}, namespace)"),
+             ("cluster", "Ray cluster", f'label_values({m}{{namespace=~"$namespace"}}, ray_io_cluster)'))
     out: list = [db.DatasourceVariable("datasource").label("Data source").type("prometheus")]
-    for name, label, query in names:
+    for name, label, query in (*scope, *names):
         out.append(
             db.QueryVariable(name).label(label).query(query).datasource(DATASOURCE)
             .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.ALPHABETICAL_ASC)

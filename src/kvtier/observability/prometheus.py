@@ -35,7 +35,8 @@ def render_config(targets: Sequence[str], *, scrape_interval_s: float | None = N
     """The local scrape config with `targets` (host:port of Ray metrics export ports) filled in."""
     cfg = yaml.safe_load(template.read_text())
     for job in cfg["scrape_configs"]:
-        job["static_configs"] = [{"targets": list(targets)}]
+        labels = job["static_configs"][0].get("labels")
+        job["static_configs"] = [{"targets": list(targets), **({"labels": labels} if labels else {})}]
     if scrape_interval_s is not None:
         interval = f"{int(scrape_interval_s * 1000)}ms"
         cfg["global"]["scrape_interval"] = cfg["global"]["evaluation_interval"] = interval

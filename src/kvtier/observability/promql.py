@@ -64,6 +64,20 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
+def selectors(expr: str) -> list[tuple[str, set[str]]]:
+    """(series name, label names it matches on) for every selector: `rate(x{a="1"}[5m]) / y` ->
+    [("x", {"a"}), ("y", set())]."""
+    text = _VARIABLE.sub(" ", _STRING.sub('""', expr))
+    text = _GROUPING.sub(" ", _RANGE.sub(" ", text))
+    out = []
+    for m in re.finditer(r"(?<![A-Za-z0-9_.])([A-Za-z_:][A-Za-z0-9_:]*)\s*(\{[^}]*\})?(\s*\()?", text):
+        ident, matchers, call = m.groups()
+        if call or ident.lower() in KEYWORDS or ident in FUNCTIONS:
+            continue
+        out.append((ident, {name for name, _op in _LABEL_IN_MATCHER.findall(matchers or "")}))
+    return out
+
+
 def label_names(expr: str) -> set[str]:
     """Label names an expression matches on or groups by."""
     return _lex(expr)[1]

@@ -69,7 +69,9 @@ def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, loc
         deployment_config=deployment,
         callback_config={"callback_class": "kvtier.service.engine_server.LocalModelCallback"},
         runtime_env={**eng.runtime_env, "env_vars": env},
-        log_engine_metrics=True,
+        # vLLM's metrics go through Ray all the same, tagged with the deployment: engine_metrics.py installs the
+        # logger (Ray's own would register the same metrics without that tag)
+        log_engine_metrics=False,
         # kvtier coalesces stream chunks itself (first chunk at once, engine_server.coalesce); Ray Serve
         # LLM's own batcher would hold the first chunk for a whole interval
         experimental_configs={"stream_batching_interval_ms": 0, "kvtier_stream_interval_ms": stream_interval_ms},

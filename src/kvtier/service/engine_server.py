@@ -10,6 +10,7 @@ Additions to the stock server:
 - `kvtier_eviction_stats()`: the kvtier eviction counters from the worker (via `kvtier.engine.worker_ext`).
 - `check_health()`: Serve's replica health check also fails on the `errored` flag of the load, so Serve
   replaces a replica whose engine failed.
+- vLLM's own metrics go to Ray tagged with the replica's deployment (`engine_metrics.install`).
 The engine is warmed up with a 16-token prompt before it serves (see kvtier.engine.api.WARMUP_PROMPT_TOKENS).
 """
 
@@ -95,6 +96,9 @@ class KVTierVLLMEngine(VLLMEngine):
         if manager is None:
             raise RuntimeError("kvtier: the engine runs without vLLM's scheduler stats (disable_log_stats?); the "
                                "router's KV-pressure rule reads them: leave disable_log_stats off")
+        from .engine_metrics import install
+
+        install(manager, self._engine_client.vllm_config)   # vLLM's metrics, tagged with this deployment
         manager.stat_loggers.append(self.load_tracker)
         await self._warm_up()
         if self.load_tracker.steps == 0:  # the stats of the warm-up's steps must have reached the tracker
