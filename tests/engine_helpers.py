@@ -1,8 +1,7 @@
 """Helpers shared by engine tests: replaying audit logs through the transformers oracle."""
 
-import torch
-
-from kvtier.engine.stats import read_audit_log
+from kvtier.evaluation.engine_check.checks import CONTROL_MIN, TOLERANCE, first_round_row, request_records
+from kvtier.evaluation.engine_check.checks import sampled_logprobs as engine_logprobs  # noqa: F401 (tests import it)
 
 # the engine tests' prompts: one long enough for several rounds at small budgets, two short ones
 PROMPTS = [
@@ -12,23 +11,8 @@ PROMPTS = [
 ]
 
 
-def engine_logprobs(output) -> torch.Tensor:
-    c = output.outputs[0]
-    return torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-
-
-def records_for(audit_path: str, request_id: str) -> list[dict]:
-    """Audit records of one request (vLLM suffixes internal request ids: '<id>-<hash>')."""
-    return [r for r in read_audit_log(audit_path) if r["req_id"] == request_id or r["req_id"].startswith(f"{request_id}-")]
-
-
-def first_round_row(records, prompt_len):
-    rounds = [r for r in records if "kept" in r]
-    return min(r["query_position"] for r in rounds) + 1 - prompt_len + 1 if rounds else None
-
-
-REFERENCE_TOL = 0.06   # bf16 engine vs the fp32 masked reference
-CONTROL_MIN = 0.3      # without the masks the same tokens must score this differently somewhere
+records_for = request_records   # audit records of one request (the engine check's reader)
+REFERENCE_TOL = TOLERANCE["bfloat16"]   # bf16 engine vs the fp32 masked reference (the engine check's too)
 
 
 def assert_matches_masked_reference(replay, out, records, buffer, *, prompt_len=None, control=True, what="",

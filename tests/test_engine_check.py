@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 pytest.importorskip("vllm")
 
@@ -83,6 +84,28 @@ def test_an_off_table_configuration_fails_the_allowlist_check_and_serve_check_re
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "FAIL allowlist" in proc.stdout and "engine check FAILED" in proc.stderr and "allowlist" in proc.stderr
     assert "starting Ray" not in proc.stdout
+
+
+def test_each_engine_of_a_config_is_checked_in_its_own_process_with_every_option(monkeypatch):
+    """A config with two engines: one `kvtier engine check --engine NAME` process each, carrying the options
+    given (here the processes are stubbed: each reports that it did not start)."""
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+    from kvtier.evaluation.engine_check import cli
+
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(
+        cmd, 3, "", "boom"))
+    config = "k8s/overlays/gpu/serve-config.yaml"
+    result = CliRunner().invoke(app, ["engine", "check", "--config", config, "--tolerance", "0.01", "--seed", "7",
+                                      "--only", "oracle", "--reference-device", "cuda"])
+    engines = list(yaml.safe_load(open(config))["applications"][0]["args"]["engines"])
+    assert result.exit_code == 1 and len(engines) == 2
+    assert [c[c.index("--engine") + 1] for c in calls] == engines
+    for c in calls:
+        assert {"--tolerance=0.01", "--seed=7", "--only=oracle", "--reference-device=cuda"} <= set(c)
+    assert result.output.count("FAIL start") == 2
 
 
 @pytest.fixture(scope="module")

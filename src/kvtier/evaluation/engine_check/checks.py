@@ -37,6 +37,25 @@ TOLERANCE = {"bfloat16": 0.06, "float16": 0.06, "float32": 2e-3}
 MAX_STEPS = 4000
 
 
+def request_records(path: str, request_id: str) -> list[dict]:
+    """One request's records of an audit log (vLLM suffixes internal request ids: '<id>-<hash>')."""
+    if not Path(path).exists():
+        return []
+    return [r for r in read_audit_log(path) if r["req_id"] == request_id or r["req_id"].startswith(f"{request_id}-")]
+
+
+def sampled_logprobs(out) -> torch.Tensor:
+    """The engine's log-prob of each token it sampled (requests with logprobs=0)."""
+    c = out.outputs[0]
+    return torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+
+
+def first_round_row(records: list[dict], prompt_len: int) -> int | None:
+    """The first generated token's index whose query saw a compacted cache (None: no round)."""
+    rounds = [r for r in records if "kept" in r]
+    return min(r["query_position"] for r in rounds) + 2 - prompt_len if rounds else None
+
+
 @dataclass
 class EngineUnderCheck:
     llm: Any
@@ -53,13 +72,9 @@ class EngineUnderCheck:
 
     def records(self, request_id: str) -> list[dict]:
         """The request's audit records; under tensor parallelism one record per round with every rank's heads."""
-        def mine(path):
-            if not Path(path).exists():
-                return []
-            return [r for r in read_audit_log(path) if r["req_id"] == request_id or r["req_id"].startswith(f"{request_id}-")]
         if self.tp_size == 1:
-            return mine(self.audit_path)
-        ranks = [mine(f"{self.audit_path}.rank{r}") for r in range(self.tp_size)]
+            return request_records(self.audit_path, request_id)
+        ranks = [request_records(f"{self.audit_path}.rank{r}", request_id) for r in range(self.tp_size)]
         merged = [r for r in ranks[0] if "reset_row" in r]
         for parts in zip(*[[r for r in recs if "kept" in r] for recs in ranks]):
             merged.append({**parts[0], "kept": [sum((p["kept"][layer] for p in parts), [])
@@ -113,16 +128,13 @@ class CheckRun:
 
     def compare(self, out, records, *, control: bool) -> tuple[float, float | None]:
         """(max |engine - masked reference|, max |engine - unmasked| after the first round or None)."""
-        c = out.outputs[0]
-        eng = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-        ids, plen = list(out.prompt_token_ids) + list(c.token_ids), len(out.prompt_token_ids)
+        eng = sampled_logprobs(out)
+        ids, plen = list(out.prompt_token_ids) + list(out.outputs[0].token_ids), len(out.prompt_token_ids)
         replay = self.e.replay()
         err = float((eng - replay.logprobs(ids, plen, records, BUFFER)).abs().max())
         if not control:
             return err, None
-        rounds = [r for r in records if "kept" in r]
-        first = min(r["query_position"] for r in rounds) + 2 - plen if rounds else 0
-        dense = (eng - replay.logprobs(ids, plen, [], BUFFER)).abs()[first:]
+        dense = (eng - replay.logprobs(ids, plen, [], BUFFER)).abs()[first_round_row(records, plen) or 0:]
         return err, float(dense.max()) if dense.numel() else 0.0
 
     def step_until(self, done: Callable[[], bool], outputs: dict) -> None:

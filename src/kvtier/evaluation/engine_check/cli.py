@@ -59,7 +59,8 @@ def register(engine_app: typer.Typer) -> None:
         except (OSError, ValueError) as exc:
             _usage(str(exc))
         if len(targets) > 1:   # one engine per process: vLLM's in-process engines share global state
-            reports = [run_in_subprocess(config, name, model, only) for name in _engine_names(config)]
+            options = _options(only=only, reference_device=reference_device, tolerance=tolerance, seed=seed)
+            reports = [run_in_subprocess(config, t.engine, model, options) for t in targets]
         else:
             from .runner import run_engine_check
 
@@ -81,10 +82,13 @@ def _usage(message: str):
     raise typer.Exit(EXIT_USAGE)
 
 
-def _engine_names(config: Path) -> list[str]:
-    from .target import service_args
-
-    return list(service_args(config).get("engines", {}))
+def _options(*, only: list[str] | None = None, reference_device: str = "cpu", tolerance: float | None = None,
+             seed: int | None = None) -> list[str]:
+    """The command-line options that reach each engine's process."""
+    out = [f"--reference-device={reference_device}"]
+    out += [f"--tolerance={tolerance}"] if tolerance is not None else []
+    out += [f"--seed={seed}"] if seed is not None else []
+    return out + [f"--only={name}" for name in only or ()]
 
 
 def report_lines(report: dict) -> list[str]:
@@ -95,15 +99,13 @@ def report_lines(report: dict) -> list[str]:
     return out
 
 
-def run_in_subprocess(config: Path, engine: str, model: str | None, only: list[str] | None) -> dict:
-    """`kvtier engine check --config CONFIG --engine ENGINE` in a fresh process; its JSON report."""
+def run_in_subprocess(config: Path, engine: str, model: str | None, options: list[str]) -> dict:
+    """`kvtier engine check --config CONFIG --engine ENGINE [options]` in a fresh process; its JSON report."""
     with tempfile.TemporaryDirectory(prefix="kvtier-check-") as tmp:
         out = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "kvtier.cli", "engine", "check", "--config", str(config), "--engine", engine,
                "--json", str(out)]
-        cmd += ["--model", model] if model else []
-        for name in only or ():
-            cmd += ["--only", name]
+        cmd += (["--model", model] if model else []) + options
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if out.exists():
             return json.loads(out.read_text())
@@ -114,4 +116,4 @@ def run_in_subprocess(config: Path, engine: str, model: str | None, only: list[s
 
 def check_service(config: Path, engines: list[str]) -> list[dict]:
     """`kvtier serve --check`: each engine's report, every engine in its own process (GPU memory freed after)."""
-    return [run_in_subprocess(config, name, None, None) for name in engines]
+    return [run_in_subprocess(config, name, None, _options()) for name in engines]

@@ -32,6 +32,7 @@ class CheckTarget:
     model: str                             # a local model directory
     engine_kwargs: dict[str, Any]          # vLLM arguments, additional_config.kvtier included
     tiny: bool                             # the shipped tiny model (the check sizes its own use)
+    engine: str | None = None              # the engine deployment of a service config
 
 
 def service_args(path: Path) -> dict[str, Any]:
@@ -65,7 +66,7 @@ def from_service_config(path: Path, engine: str | None = None, model: str | None
             resolved = {k: v for k, v in eng.engine_kwargs.items() if k != "max_num_seqs"}
         else:
             resolved = resolved_engine_kwargs(cfg, name, model)[0]
-        out.append(_target(f"engine {name} of {path}", model, vllm_engine_kwargs(eng, resolved)))
+        out.append(_target(f"engine {name} of {path}", model, vllm_engine_kwargs(eng, resolved), name))
     return out
 
 
@@ -86,15 +87,15 @@ def from_model(model: str | None, engine_kwargs_json: str | None) -> CheckTarget
     return _target(f"model {model}" if model else "the tiny model", model, kwargs)
 
 
-def _target(label: str, model: str | None, kwargs: dict[str, Any]) -> CheckTarget:
+def _target(label: str, model: str | None, kwargs: dict[str, Any], engine: str | None = None) -> CheckTarget:
     kwargs = dict(kwargs)
     if model is not None:
         if kwargs.get("max_num_seqs") == "auto":
             kwargs.pop("max_num_seqs")
-        return CheckTarget(label, model, kwargs, tiny=False)
+        return CheckTarget(label, model, kwargs, tiny=False, engine=engine)
     from kvtier.models.tiny import ensure_tiny_model
 
     kwargs.update(max_model_len=TINY_MAX_MODEL_LEN, kv_cache_memory_bytes=TINY_KV_CACHE_BYTES,
                   max_num_seqs=TINY_MAX_NUM_SEQS)
     kwargs.pop("gpu_memory_utilization", None)
-    return CheckTarget(label + " on the tiny model", str(ensure_tiny_model()), kwargs, tiny=True)
+    return CheckTarget(label + " on the tiny model", str(ensure_tiny_model()), kwargs, tiny=True, engine=engine)
