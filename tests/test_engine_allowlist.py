@@ -112,7 +112,7 @@ def test_model_runner_v2_features_say_kvtier_refuses_the_advice(tiny_model_dir):
 def test_prompt_logprob_token_ids_request_says_kvtier_refuses_the_advice(config):
     from vllm import SamplingParams
 
-    from kvtier.engine import patches
+    from kvtier.engine import patch_frontend
 
     def vllm_process_inputs(self, *a, **k):   # what vLLM 0.31's InputProcessor raises on the V1 runner
         from vllm.exceptions import VLLMValidationError
@@ -120,7 +120,7 @@ def test_prompt_logprob_token_ids_request_says_kvtier_refuses_the_advice(config)
         raise VLLMValidationError("prompt_logprob_token_ids requires the V2 model runner "
                                   "(VLLM_USE_V2_MODEL_RUNNER=1).", parameter="prompt_logprob_token_ids")
 
-    wrapped = patches._process_inputs(vllm_process_inputs)
+    wrapped = patch_frontend.process_inputs(vllm_process_inputs)
     with pytest.raises(KVTierRequestError, match="refuses VLLM_USE_V2_MODEL_RUNNER=1") as exc:
         wrapped(SimpleNamespace(vllm_config=config), "r0", "hi", SamplingParams())
     assert exc.value.parameter == "prompt_logprob_token_ids"
@@ -131,7 +131,7 @@ def test_the_profiling_kv_cache_gets_no_worker_eviction(config):
     builds nothing on it, so nothing of kvtier's keeps that buffer alive."""
     import torch
 
-    from kvtier.engine import patches
+    from kvtier.engine import patch_worker
 
     profiling_cache = torch.empty(1024)
     ref = weakref.ref(profiling_cache)
@@ -140,7 +140,7 @@ def test_the_profiling_kv_cache_gets_no_worker_eviction(config):
     def vllm_initialize_kv_cache(self, kv_cache_config, is_profiling=False):
         self.cache = profiling_cache if is_profiling else None
 
-    patches._initialize_kv_cache(vllm_initialize_kv_cache)(runner, object(), is_profiling=True)
+    patch_worker.initialize_kv_cache(vllm_initialize_kv_cache)(runner, object(), is_profiling=True)
     assert runner.kvtier is None
     runner.cache = None
     del profiling_cache

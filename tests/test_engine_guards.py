@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 import vllm.config.vllm as vllm_config_mod  # noqa: E402
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 
-from kvtier.engine import patches  # noqa: E402
+from kvtier.engine import patch_worker  # noqa: E402
 from kvtier.engine.support import (KVTierRequestError, UnsupportedEngineConfig, check_supported,  # noqa: E402
                                    validate_engine_request)
 
@@ -33,7 +33,7 @@ def plugin():
 @pytest.fixture
 def no_v2_env(monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    monkeypatch.setattr(patches, "_V1_FORCED_LOGGED", False)
+    monkeypatch.setattr(patch_worker, "_V1_FORCED_LOGGED", False)
 
 
 def make_config(tiny_model_dir, kvtier=None, **kwargs):

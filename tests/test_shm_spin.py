@@ -1,4 +1,5 @@
-"""vLLM's shared-memory queue readers and KVTIER_SHM_SPIN_S (engine/patches.py `_spin_condition_init`).
+"""vLLM's shared-memory queue readers and KVTIER_SHM_SPIN_S (engine/patch_shm.py `spin_condition_init`,
+listed in engine/patches.py).
 
 After every message a reader spins (sched_yield) for `busy_loop_s` before sleeping on the queue's socket;
 on a 2-core CPU host the engine core's spin while the worker computes takes a core from the serving path.

@@ -5,7 +5,7 @@ process) and bad per-request eviction parameters (in the frontend, before the en
 it) and capture queries through a Python wrapper on each attention layer's `impl.forward`. With eviction
 configured the engine runs only in configurations that are tested; anything else is refused here with a
 message naming the setting, or overridden with one WARNING line on logger "kvtier.engine" (the V1 model
-runner, see patches._use_v2_model_runner).
+runner, see patch_worker.use_v2_model_runner).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class WorkerEviction:
         if path and self.tp_size > 1:
             path = f"{path}.rank{self.tp_rank}"
         self.audit = AuditLog(path) if path else None
-        # patches.install_attention_capture wraps every layer's attention to feed self.capture
+        # patch_worker.install_attention_capture wraps every layer's attention to feed self.capture
 
     # -- device tables (layout, rows, heads) and sleep/wake ------------------------------------
     @staticmethod
