@@ -9,7 +9,7 @@ AVX2 = {"fpu", "avx", "avx2", "fma"}
 
 
 @pytest.mark.parametrize("dtype, accelerator, flags, says", [
-    (None, "cpu", AVX2, True),                       # kvtier's default is bfloat16
+    (None, "cpu", AVX2, True),                       # the model's dtype, bfloat16 (given, not auto)
     ("bfloat16", "cpu", AVX2, True),
     ("float32", "cpu", AVX2, False),
     ("bfloat16", "cpu", AVX2 | {"avx512f", "avx512_bf16"}, False),
@@ -35,7 +35,7 @@ def test_bench_serve_refuses_a_bad_dtype_before_any_server_starts(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
-def test_every_arm_gets_the_dtype(tmp_path):
+def test_every_arm_gets_the_dtype(tmp_path, monkeypatch):
     from kvtier.benchmarks.serve import kvtier_config
     from kvtier.benchmarks.serve_cli import engine_settings
     from kvtier.service.config import DEFAULT_CONFIG
@@ -48,4 +48,8 @@ def test_every_arm_gets_the_dtype(tmp_path):
     assert eng["engine_kwargs"]["dtype"] == "float32" and eng["kv_cache_bytes"] == 8 << 20
     # `max_num_seqs: auto` sized at 4 bytes per value: 8 MiB = 16 blocks, 2 per k128 request
     assert settings.max_num_seqs == 8
-    assert engine_settings(DEFAULT_CONFIG, "8MiB", None, None)[1].dtype == "bfloat16"   # the default
+    # the default, dtype auto: the model's bfloat16 where the CPU computes it natively, else float32
+    monkeypatch.setattr("kvtier.engine.cpu_dtype.cpu_flags", lambda: AVX2 | {"amx_bf16"})
+    assert engine_settings(DEFAULT_CONFIG, "8MiB", None, None)[1].dtype == "bfloat16"
+    monkeypatch.setattr("kvtier.engine.cpu_dtype.cpu_flags", lambda: AVX2)
+    assert engine_settings(DEFAULT_CONFIG, "8MiB", None, None)[1].dtype == "float32"

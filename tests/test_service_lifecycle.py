@@ -68,12 +68,16 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background, in
         log = svc.log()
         # `kvtier serve` (`make serve TINY=1`) shows the batch limit the embedded config's
         # `max_num_seqs: auto` resolved to
-        assert "engine cpu        max_num_seqs 128 (max_num_seqs auto = 128: 256 blocks" in log, log[:3000]
-        # and, on a CPU without AVX512-BF16/AMX, that its bfloat16 matmuls take torch's slow path
-        from kvtier.engine.cpu_dtype import bf16_slow_path_note
+        # and the dtype `auto` chose: float32 on a CPU without AVX512-BF16/AMX (64 MiB: half the blocks), where
+        # bfloat16 matmuls would take torch's slow path; the model's bfloat16 elsewhere
+        from kvtier.engine.cpu_dtype import native_bf16
 
-        note = bf16_slow_path_note(None, "cpu")
-        assert ("engine cpu        dtype bfloat16 on a CPU without AVX512-BF16/AMX" in log) == (note is not None), log[:3000]
+        if native_bf16() is False:
+            assert ("engine cpu        max_num_seqs 64, dtype float32 (max_num_seqs auto = 64: 128 blocks" in log
+                    and "dtype auto = float32: this CPU has no AVX512-BF16/AMX" in log), log[:3000]
+        else:
+            assert "engine cpu        max_num_seqs 128, dtype the model config (max_num_seqs auto = 128: 256 blocks" in log, log[:3000]
+        assert "on a CPU without AVX512-BF16/AMX: vLLM's oneDNN" not in log      # the slow path is never the default
         match = re.search(r"local Ray session (\S+)", log)
         assert match, log[-3000:]
         session = match.group(1)

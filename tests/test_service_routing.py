@@ -286,7 +286,8 @@ def test_example_request_is_a_valid_openai_chat_call():
 
 
 # -- max_num_seqs: auto ----------------------------------------------------------------------------------
-def test_auto_max_num_seqs_fills_the_pool_with_the_smallest_tiers_bound():
+def test_auto_max_num_seqs_fills_the_pool_with_the_smallest_tiers_bound(monkeypatch):
+    monkeypatch.setattr("kvtier.engine.cpu_dtype.cpu_flags", lambda: {"avx2", "amx_bf16"})  # dtype auto: the model's
     from kvtier.models.tiny import ensure_tiny_model
     from kvtier.service.sizing import auto_max_num_seqs, kv_bytes_per_token, resolved_engine_kwargs
 
@@ -315,6 +316,30 @@ def test_auto_max_num_seqs_fills_the_pool_with_the_smallest_tiers_bound():
     cfg = make_cfg(engines={"cpu": {"model": "tiny", "max_model_len": 4096, "kv_cache_bytes": "8GiB",
                                     "engine_kwargs": {"max_num_seqs": "auto"}}})
     assert auto_max_num_seqs(cfg, "cpu", path)[0] == 256                 # capped at vLLM's GPU default
+
+
+@pytest.mark.parametrize("flags, accelerator, given, want", [
+    ({"avx2", "avx512f"}, "cpu", None, "float32"),            # no native bf16: auto is float32
+    ({"avx2", "avx512f"}, "cpu", "auto", "float32"),
+    ({"avx2", "avx512f"}, "cpu", "bfloat16", "bfloat16"),     # an explicit choice is kept (and warned about)
+    ({"avx2", "amx_bf16"}, "cpu", None, None),                # native: the model's own dtype
+    ({"avx2", "avx512_bf16"}, "cpu", "auto", None),
+    ({"avx2"}, "gpu", None, None),
+    (set(), "cpu", None, None),                               # no /proc/cpuinfo: nothing to tell, vLLM's auto
+])
+def test_dtype_auto_resolves_by_the_cpu(monkeypatch, flags, accelerator, given, want):
+    from kvtier.models.tiny import ensure_tiny_model
+    from kvtier.service.sizing import resolved_engine_kwargs
+
+    monkeypatch.setattr("kvtier.engine.cpu_dtype.cpu_flags", lambda: flags)
+    kwargs = {"max_num_seqs": "auto"} | ({"dtype": given} if given else {})
+    eng = {"model": "tiny", "max_model_len": 4096, "kv_cache_bytes": "64MiB", "accelerator": accelerator,
+           "engine_kwargs": kwargs}
+    got, why = resolved_engine_kwargs(make_cfg(engines={"cpu": eng}), "cpu", str(ensure_tiny_model()))
+    assert got.get("dtype") == want and got.get("dtype") != "auto"
+    assert ("dtype auto = float32" in (why or "")) == (want == "float32" and given != "bfloat16")
+    if accelerator == "cpu":      # the batch limit is sized in the resolved dtype: float32 holds half the blocks
+        assert got["max_num_seqs"] == (32 if want == "float32" else 64)
 
 
 # -- stream coalescing (engine_server.coalesce) ------------------------------------------------------------

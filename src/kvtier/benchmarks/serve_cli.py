@@ -16,11 +16,12 @@ def engine_settings(config: Optional[Path], kv_cache_bytes: Optional[str], max_n
                     max_model_len: Optional[int], default: Optional[Path] = None, dtype: Optional[str] = None):
     """(service config, EngineSettings every arm gets) from a one-engine service YAML and the overrides;
     `max_num_seqs: auto` is resolved as `kvtier serve` resolves it; the dtype is the engine's
-    `engine_kwargs.dtype` (kvtier's default bfloat16) unless overridden."""
+    `engine_kwargs.dtype` (`auto`: float32 on a CPU without native bf16, else the model's bfloat16) unless
+    overridden."""
     from kvtier.benchmarks.servers import EngineSettings
     from kvtier.service.app import resolve_model_path
     from kvtier.service.config import DEFAULT_CONFIG, load_config, parse_bytes
-    from kvtier.service.sizing import resolved_engine_kwargs
+    from kvtier.service.sizing import engine_dtype, resolved_engine_kwargs
 
     cfg = load_config(config or default or DEFAULT_CONFIG)
     if len(cfg.engines) != 1:
@@ -32,7 +33,7 @@ def engine_settings(config: Optional[Path], kv_cache_bytes: Optional[str], max_n
         eng.max_model_len = max_model_len
     if dtype is not None:
         eng.engine_kwargs["dtype"] = dtype
-    dtype = eng.engine_kwargs.get("dtype", "bfloat16")
+    dtype = engine_dtype(eng)[0] or "bfloat16"          # `auto`: float32 on a CPU without native bf16
     if dtype not in DTYPES:
         raise typer.BadParameter(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}", param_hint="--dtype")
     path = resolve_model_path(eng.model)
@@ -67,10 +68,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Override (default: the config's, `auto` resolved)."),
         max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Override the engine's max_model_len."),
         dtype: Optional[str] = typer.Option(None, "--dtype", help="Every arm's model (and KV cache) dtype: bfloat16, "
-                                            "float16 or float32 (default: the config's engine_kwargs.dtype, else "
-                                            "bfloat16). A CPU without AVX512-BF16/AMX runs bfloat16 matmuls on "
-                                            "torch's slow path: float32 there, with twice the KV bytes for the "
-                                            "same tokens (docs/serving.md)."),
+                                            "float16 or float32 (default: the config's engine_kwargs.dtype; auto "
+                                            "or none: float32 on a CPU without AVX512-BF16/AMX, whose bfloat16 "
+                                            "matmuls take torch's slow path, else the model's bfloat16; float32 "
+                                            "KV takes twice the bytes for the same tokens, docs/serving.md)."),
         idle: str = typer.Option("64x64x32@1", help="idle workload (one request at a time; 64 so a p99 is not just the worst request): PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
         short: str = typer.Option("64x64x128@16", help="short workload: PROMPTSxINPUTxOUTPUT@CONCURRENCY."),
         long: str = typer.Option("32x64x3000@32", help="long workload: PROMPTSxINPUTxOUTPUT@CONCURRENCY."),

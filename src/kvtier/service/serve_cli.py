@@ -129,8 +129,8 @@ def serve_command(
         from .sizing import resolved_engine_kwargs
 
         kwargs, why = resolved_engine_kwargs(cfg, name, resolve_model_path(eng.model))
-        typer.echo(f"  engine {name:<10} max_num_seqs {kwargs.get('max_num_seqs', 'vLLM default')}"
-                   + (f" ({why})" if why else ""))
+        typer.echo(f"  engine {name:<10} max_num_seqs {kwargs.get('max_num_seqs', 'vLLM default')}, dtype "
+                   f"{kwargs.get('dtype', 'the model config')}" + (f" ({why})" if why else ""))
         note = bf16_slow_path_note(kwargs.get("dtype"), eng.accelerator)
         if note:
             typer.echo(f"  engine {name:<10} {note}")

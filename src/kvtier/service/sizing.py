@@ -39,9 +39,18 @@ def block_size(eng: EngineConfig) -> int:
     return int(eng.engine_kwargs.get("block_size") or (CPU_BLOCK_SIZE if eng.accelerator == "cpu" else GPU_BLOCK_SIZE))
 
 
+def engine_dtype(eng: EngineConfig) -> tuple[str | None, str | None]:
+    """(dtype, why) the engine runs: its engine_kwargs.dtype unless that is `auto` or absent, which is float32
+    on a CPU without native bf16 (why: one log line) and otherwise None, the model's own dtype."""
+    from kvtier.engine.cpu_dtype import auto_dtype
+
+    dtype = eng.engine_kwargs.get("dtype", "auto")
+    return auto_dtype(eng.accelerator) if dtype == "auto" else (str(dtype), None)
+
+
 def pool_blocks(eng: EngineConfig, model: str | Path | Mapping[str, Any], kv_bytes: int) -> int:
     """Blocks of the engine's block size that kv_bytes of its model's KV cache hold (in its dtype)."""
-    dtype_bytes = DTYPE_BYTES.get(str(eng.engine_kwargs.get("dtype", "bfloat16")), 2)
+    dtype_bytes = DTYPE_BYTES.get(engine_dtype(eng)[0] or "bfloat16", 2)
     return kv_bytes // (kv_bytes_per_token(model, dtype_bytes) * block_size(eng))
 
 
@@ -69,12 +78,20 @@ def auto_max_num_seqs(cfg: ServiceConfig, engine: str, model_path: str) -> tuple
 
 
 def resolved_engine_kwargs(cfg: ServiceConfig, engine: str, model_path: str) -> tuple[dict, str | None]:
-    """The engine's vLLM kwargs with `max_num_seqs: auto` replaced (and the reason, for the start-up log)."""
+    """The engine's vLLM kwargs with `max_num_seqs: auto` and `dtype: auto` (or absent) resolved, and the
+    reasons joined by '; ' for the start-up log (None when nothing was resolved)."""
     kwargs = dict(cfg.engines[engine].engine_kwargs)
-    if kwargs.get("max_num_seqs") != "auto":
-        return kwargs, None
-    seqs, why = auto_max_num_seqs(cfg, engine, model_path)
-    kwargs.pop("max_num_seqs")
-    if seqs is not None:
-        kwargs["max_num_seqs"] = seqs
-    return kwargs, f"max_num_seqs auto = {seqs if seqs is not None else 'vLLM default'}: {why}"
+    notes = []
+    dtype, why = engine_dtype(cfg.engines[engine])
+    kwargs.pop("dtype", None)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if why:
+        notes.append(why)
+    if kwargs.get("max_num_seqs") == "auto":
+        seqs, why = auto_max_num_seqs(cfg, engine, model_path)
+        kwargs.pop("max_num_seqs")
+        if seqs is not None:
+            kwargs["max_num_seqs"] = seqs
+        notes.insert(0, f"max_num_seqs auto = {seqs if seqs is not None else 'vLLM default'}: {why}")
+    return kwargs, "; ".join(notes) or None
