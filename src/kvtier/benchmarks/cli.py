@@ -190,6 +190,11 @@ def bench_rl(
     lr: float = typer.Option(1e-5),
     kv_cache_mb: int = typer.Option(24, "--kv-cache-mb", help="KV pool per arm (equal memory)."),
     heldout: int = typer.Option(32, help="Held-out local-chain problems per evaluation."),
+    family: str = typer.Option("chains", help="Task family (kvtier.tasks.chains): chains (the shipped reasoner's) "
+                               "or chains-long (2.5-4k-token traces; a --model with >= 4,096 positions)."),
+    response_length: Optional[int] = typer.Option(None, "--response-length", help="Response tokens (default: "
+                                                  "1160 for chains, whose longest trace is 1,122; the family's "
+                                                  "budget otherwise, chains-long 4000)."),
     rejection: Optional[str] = typer.Option(None, help="verl rollout_rs for the dense arm, OPTION:THRESHOLD "
                                             "(e.g. seq_max_k2:0.5)."),
     learner_dtype: str = typer.Option("bf16", help="The actor's compute dtype (bf16: verl's default, as in the "
@@ -203,9 +208,17 @@ def bench_rl(
     full) vs step and wall-clock, rollout seconds, learner/sampler ratio tails (src/kvtier/benchmarks/rl.py)."""
     from kvtier.benchmarks.rl import RLBenchShape, run_rl_bench
     from kvtier.models.reasoner import reasoner_dir
+    from kvtier.tasks.chains import family as task_family
 
+    try:
+        fam = task_family(family)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--family") from None
+    if response_length is None:
+        response_length = RLBenchShape.response_length if fam.name == "chains" else fam.max_tokens
     shape = RLBenchShape(steps=steps, batch_size=batch_size, n=n, budget=budget, buffer=buffer, lr=lr,
-                         kv_cache_mb=kv_cache_mb, heldout=heldout, rejection=rejection, learner_dtype=learner_dtype)
+                         kv_cache_mb=kv_cache_mb, heldout=heldout, rejection=rejection, learner_dtype=learner_dtype,
+                         family=fam.name, response_length=response_length)
     report = run_rl_bench(str(Path(model or reasoner_dir()).resolve()), shape, arms.split(","), workdir.resolve(),
                           plot, echo=typer.echo)
     if out is not None:

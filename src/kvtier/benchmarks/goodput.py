@@ -42,13 +42,14 @@ class GradedTask:
     answer: str
 
 
-def load_tasks(spec: str, per_kind: int) -> list[GradedTask]:
-    """'reasoner': `per_kind` held-out problems of each kind, interleaved; else a JSONL path (first
-    2 * per_kind lines)."""
+def load_tasks(spec: str, per_kind: int, family: str = "chains") -> list[GradedTask]:
+    """'reasoner': `per_kind` held-out problems of each kind of the task family `family` (kvtier.tasks.chains;
+    ValueError for an unknown one), interleaved; else a JSONL path (first 2 * per_kind lines)."""
     if spec == "reasoner":
         from kvtier.tasks import chains
 
-        kinds = [chains.eval_problems(per_kind, k) for k in chains.KINDS]
+        fam = chains.family(family)
+        kinds = [fam.eval_problems(per_kind, k) for k in chains.KINDS]
         return [GradedTask(f"{p.kind}-{i}", p.kind, p.prompt, p.answer)
                 for i, group in enumerate(zip(*kinds)) for p in group]
     out = []
@@ -187,7 +188,9 @@ def main_arm(arms: list[str]) -> str | None:
 
 
 def run_goodput(settings: EngineSettings, config: dict, tasks: list[GradedTask], arms: list[str], runs: int,
-                workdir: Path, concurrency: int, max_tokens: int, seed: int = 0, log=print) -> dict:
+                workdir: Path, concurrency: int, max_tokens: int, seed: int = 0, log=print,
+                family: str | None = None) -> dict:
+    """Every arm `runs` times; `family`: the task family the reasoner's problems came from (recorded)."""
     from .environment import machine_and_commit
 
     where = machine_and_commit()          # at the start: the code that runs, not what is checked out at the end
@@ -204,7 +207,8 @@ def run_goodput(settings: EngineSettings, config: dict, tasks: list[GradedTask],
     return {"arms": per_run[median], "median_run": median, "median_by": key, "runs": per_run,
             "summary": {arm: {"correct_per_s_ratio_to_stock": [r[arm].get("correct_per_s_ratio_to_stock")
                                                                for r in per_run]} for arm in arms},
-            "settings": asdict(settings), "tasks": {"problems": len(tasks), "kinds": sorted({t.kind for t in tasks})},
+            "settings": asdict(settings), "tasks": {"problems": len(tasks), "kinds": sorted({t.kind for t in tasks}),
+                                                **({"family": family} if family else {})},
             "concurrency": concurrency, "max_tokens": max_tokens, **where}
 
 

@@ -9,9 +9,11 @@ import typer
 
 from .serve_cli import emit, engine_settings
 
-# The demo config (the shipped reasoner and its tiers); 8 MiB holds about 4 of its full traces
-# (2 KiB per token, ~1,050 tokens each): full attention is KV-bound at concurrency 32.
-DEFAULT_KV = "8MiB"
+# The demo config (the shipped reasoner and its tiers). `auto`: a pool of POOL_TRACES full traces of
+# TRACE_TOKENS in the engine's dtype (8 MiB in bfloat16 at 2 KiB per token, 16 MiB in float32), so full
+# attention is KV-bound at concurrency 32 whatever dtype `auto` picks on this machine.
+DEFAULT_KV = "auto"
+POOL_TRACES, TRACE_TOKENS = 4, 1024
 
 
 def register(bench_app: typer.Typer) -> None:
@@ -19,14 +21,20 @@ def register(bench_app: typer.Typer) -> None:
     def bench_goodput(
         tasks: str = typer.Option("reasoner", help="reasoner (its held-out problems, both kinds in equal numbers) "
                                   "or a JSONL of {prompt, answer[, kind, id]} graded by the \\boxed{} grader."),
+        family: Optional[str] = typer.Option(None, help="With --tasks reasoner: the task family, chains (default, "
+                                             "the shipped reasoner's) or chains-long (2.5-4k-token traces: a "
+                                             "--config whose model and max_model_len hold 4,096 tokens)."),
         arms: str = typer.Option("stock,full,auto", help="Comma-separated: stock, full, auto, or tier names."),
         config: Optional[Path] = typer.Option(None, "--config", "-c", help="Service YAML with one engine "
                                               "(default: src/kvtier/configs/reasoner.yaml)."),
         problems: int = typer.Option(64, help="Problems per kind (reasoner) or the first 2x this many lines (0: all)."),
         concurrency: int = typer.Option(32, help="Requests in flight (vLLM's benchmark --max-concurrency)."),
-        kv_bytes: str = typer.Option(DEFAULT_KV, "--kv-bytes", help="Every engine's KV pool."),
+        kv_bytes: str = typer.Option(DEFAULT_KV, "--kv-bytes", help="Every engine's KV pool (auto: "
+                                     f"{POOL_TRACES} traces of {TRACE_TOKENS} tokens in the engine's dtype)."),
         max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Override (default: the config's, `auto` resolved)."),
-        max_tokens: int = typer.Option(1200, help="Per request; requests stop at EOS (the reasoner's longest trace is 1,122)."),
+        max_tokens: Optional[int] = typer.Option(None, help="Per request; requests stop at EOS (default: the family's "
+                                                 "budget, chains 1200 (longest trace 1,122), chains-long 4000; "
+                                                 "a JSONL 1200)."),
         runs: int = typer.Option(1, help="Repeat every arm (ratios per run; the top-level arms are the median run)."),
         seed: int = typer.Option(0),
         out: Optional[Path] = typer.Option(None, help="Write the JSON here too."),
@@ -38,18 +46,40 @@ def register(bench_app: typer.Typer) -> None:
         preemptions, eviction events, failed; ratios to stock)."""
         from kvtier.service.config import DEFAULT_CONFIG
 
+        from kvtier.tasks.chains import family as task_family
+
         from .goodput import load_tasks, plot as draw, run_goodput
 
-        cfg, settings = engine_settings(config, kv_bytes, max_num_seqs, None, default=DEFAULT_CONFIG.with_name("reasoner.yaml"))
+        fam = None
+        if tasks == "reasoner":
+            try:
+                fam = task_family(family or "chains")
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--family") from None
+        elif family is not None:
+            raise typer.BadParameter("chooses the reasoner's problems; --tasks is a JSONL here", param_hint="--family")
+        max_tokens = max_tokens or (fam.max_tokens if fam else 1200)
+        default = DEFAULT_CONFIG.with_name("reasoner.yaml")
+        cfg, settings = engine_settings(config, None if kv_bytes == "auto" else kv_bytes, max_num_seqs, None, default=default)
+        if kv_bytes == "auto":
+            from kvtier.service.sizing import DTYPE_BYTES, kv_bytes_per_token
+
+            pool = POOL_TRACES * TRACE_TOKENS * kv_bytes_per_token(settings.model_path, DTYPE_BYTES[settings.dtype])
+            cfg, settings = engine_settings(config, str(pool), max_num_seqs, None, default=default)
         chosen = [a.strip() for a in arms.split(",") if a.strip()]
         known = {"stock", "full", "auto", *(t.name for t in cfg.tiers)}
         bad = [a for a in chosen if a not in known]
         if bad:
             raise typer.BadParameter(f"unknown arms {bad}; known: {sorted(known)}", param_hint="--arms")
+        if fam is not None and settings.max_model_len < max_tokens + 64:
+            raise typer.BadParameter(f"task family {fam.name} needs max_model_len >= {max_tokens + 64} (prompt + "
+                                     f"max_tokens {max_tokens}); the config's engine has {settings.max_model_len}: "
+                                     "pass --config with a model trained for it", param_hint="--family")
         try:
-            graded = load_tasks(tasks, problems)
+            graded = load_tasks(tasks, problems, fam.name if fam else "chains")
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--tasks") from None
         result = run_goodput(settings, cfg.model_dump(mode="json"), graded, chosen, runs, workdir, concurrency,
-                             max_tokens, seed, log=lambda m: typer.echo(m, err=True))
+                             max_tokens, seed, log=lambda m: typer.echo(m, err=True),
+                             family=fam.name if fam else None)
         emit(result, out, plot, draw)

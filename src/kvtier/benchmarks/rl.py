@@ -1,7 +1,8 @@
 """`kvtier bench rl`: what a compressed rollout costs in learning, and what learner replay buys back.
 
 GRPO through verl's own trainer (`kvtier rl smoke --task chains`: the reasoner's task family, graded
-reward, v1 trainer, hybrid engine) from the same checkpoint, data and seeds in each arm, at equal KV memory:
+reward, v1 trainer, hybrid engine; `--family` picks another family of kvtier.tasks.chains, e.g.
+chains-long) from the same checkpoint, data and seeds in each arm, at equal KV memory:
 
 * `full`   - kvtier rollouts at full attention (no eviction): what users run today;
 * `dense`  - random eviction at K, the learner scores with the whole context, today's token TIS
@@ -46,6 +47,7 @@ class RLBenchShape:
     heldout: int = 32              # held-out local-chain problems per evaluation
     rejection: str | None = None   # verl rollout_rs option for the dense arm, e.g. "seq_max_k2:0.5"
     learner_dtype: str = "bf16"    # the actor's compute dtype (rl_smoke.LEARNER_DTYPES; bf16 as in results/)
+    family: str = "chains"         # the task family (kvtier.tasks.chains.FAMILIES): train split and held-out set
 
 
 def arm_overrides(arm: str, shape: RLBenchShape) -> tuple[int | None, str, list[str]]:
@@ -69,7 +71,7 @@ def heldout_accuracy(model: str, shape: RLBenchShape, out: Path) -> dict:
     """Greedy accuracy on the held-out local chains: {"evicted": {accuracy, ci}, "full": {...}, "seconds"}."""
     cmd = [sys.executable, "-m", "kvtier.cli", "eval", "reasoner", "--model", model, "--problems",
            str(shape.heldout), "--runs", "1", "--policies", "random", "--budgets", str(shape.budget), "--kinds",
-           "local", "--buffer", str(shape.buffer), "--out", str(out)]
+           "local", "--buffer", str(shape.buffer), "--family", shape.family, "--out", str(out)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
@@ -114,7 +116,7 @@ def run_arm(arm: str, model: str, shape: RLBenchShape, workdir: Path, echo=print
     result = run_smoke(steps=shape.steps, model=model, workdir=str(work), batch_size=shape.batch_size, n=shape.n,
                        response_length=shape.response_length, budget=budget, buffer=shape.buffer,
                        kv_cache_mb=shape.kv_cache_mb, lr=shape.lr, check_tokens=0, timeout=3600, echo=echo,
-                       task="chains", learner=learner, extra_overrides=extra, learner_dtype=shape.learner_dtype)
+                       task=shape.family, learner=learner, extra_overrides=extra, learner_dtype=shape.learner_dtype)
     if result["summary"]["returncode"] != 0:
         raise RuntimeError(f"arm {arm}: verl's trainer failed (log: {work / 'main_ppo.log'})")
     steps = [step_row(r) for r in result["steps"]]
@@ -129,11 +131,13 @@ def run_arm(arm: str, model: str, shape: RLBenchShape, workdir: Path, echo=print
 def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path, plot: str | None = None,
                  echo=print) -> dict:
     from kvtier.rollout.cpu.rl_smoke import check_learner_dtype
+    from kvtier.tasks.chains import family as task_family
 
     bad = [a for a in arms if a not in ARMS]
     if bad:
         raise ValueError(f"unknown arm(s) {bad}; choose from {ARMS}")
     check_learner_dtype(shape.learner_dtype)   # before the start checkpoint's evaluation, not after it
+    task_family(shape.family)                  # ValueError naming the known families, as early
     workdir.mkdir(parents=True, exist_ok=True)
     start = heldout_accuracy(model, shape, workdir / "heldout-start")
     echo(json.dumps({"heldout_start": start}))

@@ -25,6 +25,9 @@ def register(eval_app: typer.Typer) -> None:
         policies: Optional[str] = typer.Option(None, help=f"{POLICIES_HELP} Default random,snapkv,rkv,h2o,streaming."),
         budgets: Optional[str] = typer.Option(None, help="Comma-separated K (default 128,256,512)."),
         kinds: Optional[str] = typer.Option(None, help="Comma-separated task kinds (default local,needle)."),
+        family: str = typer.Option("chains", help="Task family (kvtier.tasks.chains): chains (the shipped "
+                                   "reasoner's) or chains-long (2.5-4k-token traces; needs a model with >= 4,096 "
+                                   "positions). Sets max_tokens and max_model_len."),
         buffer: int = typer.Option(32, help="r: recent buffer and round cadence."),
         temperature: float = typer.Option(0.0, help="0: greedy (the R paired seeds drive random's draws)."),
         seed: int = typer.Option(0),
@@ -33,8 +36,14 @@ def register(eval_app: typer.Typer) -> None:
         """Full, random, snapkv, rkv, h2o, streaming x K on both task kinds; prints JSON, writes report.md
         (every pairwise comparison: paired problem-clustered bootstrap CI + sign test) and the plot.
         Policies with parameters: --policies random,rkv,random_reserve:reserve=0.05,random_reserve:reserve=0.1."""
-        from .reasoner_eval import QUICK, ReasonerEvalConfig, markdown_table, run_reasoner_eval
+        from kvtier.tasks.chains import family as task_family
 
+        from .reasoner_eval import QUICK, ReasonerEvalConfig, check_positions, markdown_table, run_reasoner_eval
+
+        try:
+            task_family(family)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--family") from None
         kw = dict(QUICK) if quick else {}
         for name, val in (("problems", problems), ("runs", runs)):
             if val is not None:
@@ -46,7 +55,11 @@ def register(eval_app: typer.Typer) -> None:
         if kinds:
             kw["kinds"] = tuple(_csv(kinds))
         cfg = ReasonerEvalConfig(buffer=buffer, temperature=temperature, seed=seed, threads=threads,
-                                 model=model or "", **kw)
+                                 model=model or "", family=family, **kw)
+        try:
+            check_positions(cfg)             # before any engine: the model must hold the family's traces
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--family") from None
         result = run_reasoner_eval(cfg, out)
         typer.echo(markdown_table(result))
         typer.echo((out / "report.md").read_text())

@@ -1,7 +1,8 @@
 """`kvtier eval reasoner`: accuracy of the shipped reasoner under eviction, on the vLLM CPU engine.
 
-Grid: full attention plus ``policies`` x ``budgets``, on held-out problems of both kinds
-(kvtier.tasks.chains), ``runs`` paired seeds per problem (one sampling + eviction seed per
+Grid: full attention plus ``policies`` x ``budgets``, on held-out problems of both kinds of one task
+family (kvtier.tasks.chains: ``chains``, the shipped reasoner's, by default; ``chains-long`` needs a model
+with >= 4,096 positions), ``runs`` paired seeds per problem (one sampling + eviction seed per
 (problem, run), shared by every cell: runner.request_seed; decoding is greedy by default, so the seeds
 drive random's eviction draws). Generation, grading by ``\\boxed{}`` and the
 per-instance records are the eval runner's (runner._run_vllm / _record); the statistics are report.py's
@@ -53,12 +54,21 @@ class ReasonerEvalConfig:
     buffer: int = 32                    # r: every r decode steps the cache returns from K + r to K
     temperature: float = 0.0             # greedy: the R seeds drive the eviction draws (random)
     top_p: float = 0.95
-    max_tokens: int = 1200              # the longest trace is 1,122 tokens (n = 110)
+    max_tokens: int = 0                 # 0: the family's budget (chains: 1200, its longest trace is 1,122 tokens)
     seed: int = 0
     threads: int = 1
     max_num_seqs: int = 256
     kv_cache_mb: int = 512
     model: str = ""
+    family: str = rt.DEFAULT_FAMILY     # the task family (kvtier.tasks.chains.FAMILIES)
+
+    def __post_init__(self):
+        self.max_tokens = self.max_tokens or rt.family(self.family).max_tokens   # ValueError: unknown family
+
+    @property
+    def max_model_len(self) -> int:
+        """bos + prompt + max_tokens, rounded up to 512 (chains: 1536)."""
+        return -(-(self.max_tokens + 64) // 512) * 512
 
 
 QUICK = dict(problems=16, runs=1, policies=("random", "streaming"), budgets=(128, 512))
@@ -70,14 +80,28 @@ def build_engine(cfg: ReasonerEvalConfig):
     from kvtier.engine.api import build_llm
 
     return build_llm(cfg.model, eviction={"default": {"buffer": cfg.buffer}},
-                     kv_cache_bytes=cfg.kv_cache_mb << 20, max_model_len=1536, max_num_seqs=cfg.max_num_seqs,
+                     kv_cache_bytes=cfg.kv_cache_mb << 20, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                      enforce_eager=True)
+
+
+def check_positions(cfg: ReasonerEvalConfig) -> None:
+    """ValueError, before any engine starts, when the model has fewer positions than the family's traces
+    need (the shipped reasoner has 2,048; chains-long needs 4,096)."""
+    from transformers import AutoConfig
+
+    from kvtier.models.reasoner import reasoner_dir
+
+    model = cfg.model or str(reasoner_dir())
+    positions = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    if positions is not None and positions < cfg.max_model_len:
+        raise ValueError(f"task family {cfg.family} needs max_model_len {cfg.max_model_len} (max_tokens "
+                         f"{cfg.max_tokens}); {model} has max_position_embeddings {positions}")
 
 
 def _jobs(cfg: ReasonerEvalConfig, tokenizer, cells: list[Cell]) -> list[tuple[dict, None]]:
     jobs = []
     for kind in cfg.kinds:
-        for pi, cp in enumerate(rt.eval_problems(cfg.problems, kind)):
+        for pi, cp in enumerate(rt.family(cfg.family).eval_problems(cfg.problems, kind)):
             prob = Problem(task=kind, pid=f"{kind}-{pi}", question=cp.prompt, answer=cp.answer)
             ids = tokenizer(cp.prompt)["input_ids"]                       # bos + prompt, no template
             for cell in cells:
@@ -138,6 +162,8 @@ def run_reasoner_eval(cfg: ReasonerEvalConfig, out: str | Path, *, llm=None) -> 
     cfg.model = cfg.model or str(reasoner_dir())
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if llm is None:
+        check_positions(cfg)                # before the engine: vLLM's own refusal comes after a model load
     tok = AutoTokenizer.from_pretrained(cfg.model)
     cells = make_grid(cfg.policies, cfg.budgets)
     jobs = _jobs(cfg, tok, cells)

@@ -10,8 +10,10 @@ import typer
 
 def register(model_app: typer.Typer) -> None:
     """Add `train-reasoner` to the `kvtier model` group (src/kvtier/models/cli.py calls it)."""
+    from kvtier.tasks.chains import FAMILIES, family as task_family
+
     from .reasoner import REASONER_DIR
-    from .reasoner_train import TrainConfig
+    from .reasoner_train import DTYPES, TrainConfig
 
     d = TrainConfig()
 
@@ -23,7 +25,11 @@ def register(model_app: typer.Typer) -> None:
         batch: int = typer.Option(d.batch, help="Sequences per step (~1,000 tokens each)."),
         lr: float = typer.Option(d.lr),
         threads: int = typer.Option(d.threads, help="torch CPU threads (the weights depend on it)."),
-        bf16: bool = typer.Option(d.bf16, help="bf16 autocast for the matmuls (the weights depend on it)."),
+        dtype: str = typer.Option(d.dtype, help=f"Matmul precision, {'|'.join(DTYPES)} (the weights depend on it): "
+                                  "auto = bfloat16 autocast on CUDA and on CPUs with AVX512-BF16 or AMX, float32 "
+                                  "elsewhere (torch emulates bf16 there). TRAINING.json records the resolved dtype, "
+                                  "why, and the steps per second."),
+        family: str = typer.Option(d.family, help=f"Task family: {', '.join(FAMILIES)} (kvtier.tasks.chains)."),
         init_from: str = typer.Option(d.init_from, help="Continue from this trained model directory (a second phase)."),
         short_batch: int = typer.Option(d.short_batch, help="Extra short local chains per step (12-40 lines)."),
         warmup: int = typer.Option(d.warmup),
@@ -32,11 +38,19 @@ def register(model_app: typer.Typer) -> None:
                                   "random:128,256,512:32; src/kvtier/models/train_eviction.py). '': full attention."),
         full_share: float = typer.Option(d.full_share, help="With --evict: share of samples under full attention."),
     ) -> None:
-        """Deterministic CPU training (resumes from OUT/ckpt.pt); writes the model, tokenizer, TRAINING.json."""
+        """Deterministic CPU training (resumes from OUT/ckpt.pt); writes the model, tokenizer, TRAINING.json.
+        Steps per second in each precision: --steps 24 --dtype float32 and --dtype bfloat16, each with its own
+        scratch --out (TRAINING.json's `speed`; docs/reasoner.md)."""
+        if dtype not in DTYPES:
+            raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPES)}", param_hint="--dtype")
+        try:
+            task_family(family)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--family") from None
         from .reasoner_train import train
 
         rec = train(TrainConfig(steps=steps, seed=seed, batch=batch, lr=lr, threads=threads,
-                                bf16=bf16, init_from=init_from, short_batch=short_batch, warmup=warmup,
+                                dtype=dtype, family=family, init_from=init_from, short_batch=short_batch, warmup=warmup,
                                 answer_weight=answer_weight, evict=evict, full_share=full_share), out,
                     log=lambda s: typer.echo(s))
         typer.echo(json.dumps({k: v for k, v in rec.items() if k != "loss_curve"}, indent=1))

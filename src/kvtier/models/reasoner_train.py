@@ -1,20 +1,29 @@
 """Train the shipped reasoner (``kvtier model train-reasoner``): deterministic, CPU, resumable.
 
-Data: every step draws ``batch`` fresh problems (half local chains, half needles) from
-``random.Random(f"{seed}/{step}")`` (kvtier.tasks.chains), skipping the held-out evaluation
-problems; each sequence is bos + prompt + trace + eos, and the loss is next-token cross-entropy on the
-trace and eos only (the prompt's numbers are random, not predictable). With ``evict`` each sample is
-trained under a simulated eviction replayed as death-time attention (train_eviction.py: which mix, why). Same seed, steps, thread count and
-precision: same weights (no dropout; data depends on the step only, so a resumed run equals an
-uninterrupted one).
+Data: every step draws ``batch`` fresh problems (half local chains, half needles) of the task family
+``family`` (kvtier.tasks.chains: ``chains``, the shipped reasoner's, or ``chains-long``) from
+``random.Random(f"{seed}/{step}")``, skipping the family's held-out evaluation problems; each sequence is
+bos + prompt + trace + eos, and the loss is next-token cross-entropy on the trace and eos only (the prompt's
+numbers are random, not predictable). With ``evict`` each sample is trained under a simulated eviction
+replayed as death-time attention (train_eviction.py: which mix, why). Same seed, steps, thread count and
+precision (the resolved ``dtype``): same weights (no dropout; data depends on the step only, so a resumed
+run equals an uninterrupted one).
 
 Output (``out``, default ``src/kvtier/models/reasoner``): the Hugging Face files (bf16 safetensors, tied
 embeddings), the tokenizer, and ``TRAINING.json``: command parameters, data seed, steps, the
 safetensors' sha256, the loss curve (every ``log_every`` steps), held-out teacher-forced token accuracy
 per kind, wall time. ``out/ckpt.pt`` (fp32 weights + optimizer, every ``ckpt_every`` steps, and at once
 on SIGTERM/SIGINT, which pause the run) lets the same command resume it; it is deleted when training
-finishes. Speed on this machine's AVX-512-bf16 CPU (batch 8): 1.4 s per step with 2 threads and bf16
-autocast, 2.1 s (1 thread, bf16), 2.1 s (2 threads, fp32), 3.1 s (1 thread, fp32).
+finishes. Speed on the AVX-512-bf16 CPU the shipped model was trained on (batch 8): 1.4 s per step with 2
+threads and bf16 autocast, 2.1 s (1 thread, bf16), 2.1 s (2 threads, fp32), 3.1 s (1 thread, fp32).
+
+Precision (``dtype``, issue #36): ``bfloat16`` runs the matmuls under bf16 autocast, ``float32`` without;
+weights and optimizer state are fp32 either way. ``auto`` (the default) resolves to bfloat16 on CUDA and on
+CPUs with native bf16 (AVX512-BF16 or AMX: kvtier.engine.cpu_dtype's flags, the detector `kvtier serve`
+warns with) and to float32 elsewhere, where torch emulates bf16: on an AVX2 CPU a step (batch 8) took 2.9 s
+in bf16 and 1.55 s in float32. TRAINING.json records the requested and resolved dtype with the reason, and
+``speed``: the steps this invocation ran per second (``--steps 24 --dtype float32`` against ``--dtype
+bfloat16`` into two scratch ``--out`` directories measures both; docs/reasoner.md).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvtier.engine import cpu_dtype
 from kvtier.tasks import chains as rt
 
 from .reasoner import REASONER_DIR, build_reasoner_tokenizer, reasoner_config
@@ -45,7 +55,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.1
     threads: int = 2
-    bf16: bool = True              # bf16 autocast for the matmuls (weights and optimizer state stay fp32)
+    dtype: str = "auto"            # matmul precision: auto | float32 | bfloat16 (autocast; weights and optimizer stay fp32)
     log_every: int = 25
     eval_every: int = 250          # held-out teacher-forced check logged into the loss curve
     ckpt_every: int = 50
@@ -55,6 +65,44 @@ class TrainConfig:
     answer_weight: float = 1.0     # loss weight of the boxed answer's tokens (one answer per ~1,000 trace tokens)
     evict: str = ""                # "POLICY:K[,K...][:r]": train under simulated eviction (train_eviction.py)
     full_share: float = 0.25       # with evict: the share of samples under full attention
+    family: str = rt.DEFAULT_FAMILY  # the task family (kvtier.tasks.chains.FAMILIES)
+
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_dtype(requested: str, device: str = "cpu", flags: set[str] | None = None) -> tuple[str, str]:
+    """(float32 | bfloat16, why) for `--dtype requested` on `device`. auto: bfloat16 on CUDA and on a CPU
+    with AVX512-BF16 or AMX, float32 otherwise: torch would emulate bf16, or /proc/cpuinfo cannot tell (the
+    one detector: kvtier.engine.cpu_dtype, which `kvtier serve`'s dtype auto reads too; `flags`: a test's)."""
+    if requested not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {requested!r}")
+    if requested != "auto":
+        return requested, f"--dtype {requested} given"
+    if device.startswith("cuda"):
+        return "bfloat16", "auto: CUDA computes bf16 natively"
+    native = cpu_dtype.native_bf16(flags)
+    if native:
+        return "bfloat16", "auto: this CPU has AVX512-BF16 or AMX (native bf16 matmuls)"
+    if native is None:
+        return "float32", "auto: no CPU flags to read (/proc/cpuinfo): float32, never emulated bf16"
+    return "float32", ("auto: this CPU has neither AVX512-BF16 nor AMX, where torch emulates bf16 (an AVX2 CPU's "
+                       "step, batch 8: 2.9 s in bf16, 1.55 s in float32)")
+
+
+def _saved_config(saved: dict) -> dict:
+    """A checkpoint's config in today's fields (before #36: `bf16` true/false, no family)."""
+    saved = dict(saved)
+    if "bf16" in saved:
+        saved["dtype"] = "bfloat16" if saved.pop("bf16") else "float32"
+    saved.setdefault("family", rt.DEFAULT_FAMILY)
+    return saved
+
+
+def longest_sequence(fam: rt.Family) -> int:
+    """bos + prompt + the family's longest trace + eos, in the reasoner's tokens (one per character)."""
+    return 1 + len(fam.eval_problems(1, "local")[0].prompt) + fam.max_trace_tokens + 1
+
 
 # Short chains for a second phase: the first model's errors were in a trace's first line and at counters
 # below 20; short chains have more of both per token.
@@ -80,15 +128,17 @@ def _batch(tok, problems, pad_id: int):
     return ids, labels
 
 
-def held_out_keys(count: int = 256) -> set:
-    return {(p.kind, p.y0, p.x0, p.n) for k in rt.KINDS for p in rt.eval_problems(count, k)}
+def held_out_keys(count: int = 256, family: str = rt.DEFAULT_FAMILY) -> set:
+    fam = rt.family(family)
+    return {(p.kind, p.y0, p.x0, p.n) for k in rt.KINDS for p in fam.eval_problems(count, k)}
 
 
-def step_problems(seed: int, step: int, batch: int, exclude: set) -> list:
+def step_problems(seed: int, step: int, batch: int, exclude: set, family: str = rt.DEFAULT_FAMILY) -> list:
+    fam = rt.family(family)
     rng = random.Random(f"{seed}/{step}")
     out = []
     while len(out) < batch:
-        p = rt.sample_problem(rng, rt.KINDS[len(out) % 2])
+        p = fam.sample_problem(rng, rt.KINDS[len(out) % 2])
         if (p.kind, p.y0, p.x0, p.n) not in exclude:
             out.append(p)
     return out
@@ -107,9 +157,9 @@ def _token_weights(labels, answer_weight: float, no_answer: list[bool] | None = 
     return w
 
 
-def short_problems(seed: int, step: int, count: int) -> list:
+def short_problems(seed: int, step: int, count: int, family: str = rt.DEFAULT_FAMILY) -> list:
     rng = random.Random(f"{seed}/{step}/short")
-    return [rt.sample_problem(rng, "local", SHORT_N) for _ in range(count)]
+    return [rt.family(family).sample_problem(rng, "local", SHORT_N) for _ in range(count)]
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -186,6 +236,8 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     import torch
     from transformers import Qwen3ForCausalLM
 
+    fam = rt.family(cfg.family)
+    dtype, dtype_reason = resolve_dtype(cfg.dtype)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     out = Path(out)
@@ -203,16 +255,25 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         mcfg = reasoner_config()
         mcfg._attn_implementation = attn
         model = Qwen3ForCausalLM(mcfg)
+    positions = model.config.max_position_embeddings
+    if longest_sequence(fam) > positions:
+        raise ValueError(f"task family {fam.name} has sequences of up to {longest_sequence(fam)} tokens; the model "
+                         f"has max_position_embeddings {positions} (REASONER_CONFIG in src/kvtier/models/reasoner.py"
+                         f"{', or --init-from' if cfg.init_from else ''}): train a model with more positions")
+    log(f"dtype {dtype} ({dtype_reason})")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
-    exclude = held_out_keys()
+    exclude = held_out_keys(family=fam.name)
     start, history, elapsed = 0, [], 0.0
     ckpt = out / "ckpt.pt"
+    run_cfg = {**asdict(cfg), "dtype": dtype}        # what the weights depend on: the resolved dtype
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
+        saved = _saved_config(state["config"])
         # Only `steps` may differ, and only while still in warmup (the schedules agree up to there).
-        same = {**state["config"], "steps": cfg.steps} == asdict(cfg) and state["step"] <= cfg.warmup
-        if state["config"] != asdict(cfg) and not same:
-            raise ValueError(f"{ckpt} was written with {state['config']}, not {asdict(cfg)}; delete it to restart")
+        same = {**saved, "steps": cfg.steps} == run_cfg and state["step"] <= cfg.warmup
+        if saved != run_cfg and not same:
+            raise ValueError(f"{ckpt} was written with {saved}, not {run_cfg}; delete it to restart (or pass "
+                             f"the --dtype it was written with)")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start, history, elapsed = state["step"], state["history"], state["elapsed"]
@@ -224,10 +285,11 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     stop = _StopOnSignal()
 
     def save(step: int) -> None:
-        torch.save({"config": asdict(cfg), "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+        torch.save({"config": run_cfg, "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
                     "history": history, "window": window, "elapsed": time.time() - t0}, ckpt)
 
     model.train()
+    step_seconds = []
     for step in range(start, cfg.steps):
         if stop.requested:                    # SIGTERM/SIGINT: pause (resume with the same command)
             save(step)
@@ -236,9 +298,10 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
             return {"paused_at": step}
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
-        groups = [step_problems(cfg.seed, step, cfg.batch, exclude)]
+        step_t0 = time.time()
+        groups = [step_problems(cfg.seed, step, cfg.batch, exclude, fam.name)]
         if cfg.short_batch:
-            groups.append(short_problems(cfg.seed, step, cfg.short_batch))
+            groups.append(short_problems(cfg.seed, step, cfg.short_batch, fam.name))
         batches = [_batch(tok, g, tok.pad_token_id) for g in groups]
         plans = [mix.assign(cfg.seed, step, str(i), len(g)) if mix else [(None, 0)] * len(g)
                  for i, g in enumerate(groups)]
@@ -248,7 +311,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         loss_value = 0.0
         for (ids, labels), w, plan in zip(batches, weights, plans):   # one weighted mean over every group's trace tokens
             extra = deaths_for(mix, plan, labels, model)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
                 if cfg.answer_weight == 1.0 and mix is None:   # transformers' own loss: how phases 1-2 ran (same bits)
                     loss = model(input_ids=ids, labels=labels).loss * (float(w.sum()) / total)
                 else:
@@ -261,13 +324,14 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        step_seconds.append(time.time() - step_t0)
         window.append(loss_value)
         if (step + 1) % cfg.log_every == 0:
             history.append({"step": step + 1, "loss": sum(window) / len(window), "seconds": round(time.time() - t0, 1)})
             window = []
             if (step + 1) % cfg.eval_every == 0:
                 model.eval()
-                local = rt.eval_problems(cfg.held_out, "local")
+                local = fam.eval_problems(cfg.held_out, "local")
                 history[-1]["held_out_local"] = teacher_forced_accuracy(model, tok, local)
                 for k in (mix.budgets if mix else ()):
                     history[-1][f"held_out_local_{mix.policy}_K{k}"] = teacher_forced_accuracy(model, tok, local, mix, k)
@@ -276,15 +340,26 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
             save(step + 1)
     stop.restore()
+    # Training steps this invocation ran (data, forward, backward, optimizer; not the periodic held-out
+    # checks or checkpoints): what `--steps 24 --dtype float32` against `--dtype bfloat16` compares.
+    busy = sum(step_seconds)
+    speed = {"steps": len(step_seconds), "seconds": round(busy, 2),
+             "steps_per_second": round(len(step_seconds) / busy, 4) if busy else None,
+             "seconds_per_step_median": round(sorted(step_seconds)[len(step_seconds) // 2], 3) if step_seconds else None,
+             "dtype": dtype, "threads": cfg.threads, "batch": cfg.batch, "short_batch": cfg.short_batch,
+             "family": fam.name, "evict": cfg.evict}
+    log(f"speed: {speed['steps']} steps in {busy:.1f} s = {speed['steps_per_second']} steps/s (median "
+        f"{speed['seconds_per_step_median']} s per step; {dtype}, {cfg.threads} threads, batch {cfg.batch})")
     wall = time.time() - t0
     model.eval()
-    held = {k: teacher_forced_accuracy(model, tok, rt.eval_problems(cfg.held_out, k)) for k in rt.KINDS}
+    held = {k: teacher_forced_accuracy(model, tok, fam.eval_problems(cfg.held_out, k)) for k in rt.KINDS}
     for k in (mix.budgets if mix else ()):
-        held[f"local_{mix.policy}_K{k}"] = teacher_forced_accuracy(model, tok, rt.eval_problems(cfg.held_out, "local"), mix, k)
+        held[f"local_{mix.policy}_K{k}"] = teacher_forced_accuracy(model, tok, fam.eval_problems(cfg.held_out, "local"), mix, k)
     sha = _save_hf(model, tok, out)
     n_params = sum(p.numel() for n, p in model.named_parameters() if n != "lm_head.weight")
     record = {"command": f"kvtier model train-reasoner --steps {cfg.steps} --seed {cfg.seed} --batch {cfg.batch} "
-                         f"--lr {cfg.lr} --warmup {cfg.warmup} --threads {cfg.threads}" + ("" if cfg.bf16 else " --no-bf16")
+                         f"--lr {cfg.lr} --warmup {cfg.warmup} --threads {cfg.threads} --dtype {dtype}"
+                         + (f" --family {fam.name}" if fam.name != rt.DEFAULT_FAMILY else "")
                          + (f" --init-from {cfg.init_from} --short-batch {cfg.short_batch}" if cfg.init_from else "")
                          + (f" --answer-weight {cfg.answer_weight}" if cfg.answer_weight != 1.0 else "")
                          + (f" --evict {mix.describe()} --full-share {cfg.full_share}" if mix else ""),
@@ -294,7 +369,8 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
               "loss_first": history[0]["loss"] if history else None,
               "loss_last": history[-1]["loss"] if history else None, "loss_curve": history,
               "held_out_teacher_forced": held, "wall_seconds": round(wall, 1),
-              "torch": torch.__version__, "eval_seed": rt.EVAL_SEED}
+              "dtype": {"requested": cfg.dtype, "resolved": dtype, "reason": dtype_reason}, "speed": speed,
+              "family": fam.name, "torch": torch.__version__, "eval_seed": rt.EVAL_SEED}
     if cfg.init_from:   # the phase this one continued (its own TRAINING.json, loss curve included)
         record["previous_phase"] = json.loads((Path(cfg.init_from) / "TRAINING.json").read_text())
     (out / "TRAINING.json").write_text(json.dumps(record, indent=2) + "\n")

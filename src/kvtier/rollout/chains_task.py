@@ -1,8 +1,9 @@
 """The reasoner's task family for RL (#24): a verl dataset and a rule reward.
 
-* `write_dataset(dir, train=N, val=M)`: seeded parquet files in verl's RLHFDataset format, from
-  `kvtier.tasks.chains`. The held-out split is the evaluation's own problems (`eval_problems`, the ones the
-  README's accuracy is measured on); the train split comes from another seed and never contains one of them.
+* `write_dataset(dir, train=N, val=M[, family=])`: seeded parquet files in verl's RLHFDataset format, from
+  `kvtier.tasks.chains` (the family by name: `chains`, the shipped reasoner's, or `chains-long`). The
+  held-out split is the evaluation's own problems (`eval_problems`, the ones the README's accuracy is
+  measured on); the train split comes from another seed and never contains one of them.
 * `compute_score`: verl's custom reward (`reward.custom_reward_function.path=<this file>`,
   `name=compute_score`): 1.0 when the response's last ``\\boxed{}`` equals the gold answer exactly (the
   chains' answers are two digits), else 0.0.
@@ -17,33 +18,34 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtier.tasks.boxed import extract_final_boxed
-from kvtier.tasks.chains import KINDS, TRAIN_SEED, ChainProblem, eval_problems, problems
+from kvtier.tasks.chains import DEFAULT_FAMILY, KINDS, TRAIN_SEED, ChainProblem, family as task_family
 
 DATA_SOURCE = "kvtier_chains"
 PROMPT_ONLY = "{{ bos_token }}{{ messages[-1].content }}"   # no quotes: it travels as a Hydra override
 RL_SEED = TRAIN_SEED + 24   # the train split's seed: not the supervised training's stream, not the eval's
 
 
-def row(problem: ChainProblem, index: int, split: str) -> dict:
+def row(problem: ChainProblem, index: int, split: str, family: str = DEFAULT_FAMILY) -> dict:
     return {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": problem.prompt}],
-            "ability": f"chains-{problem.kind}", "reward_model": {"style": "rule", "ground_truth": problem.answer},
+            "ability": f"{family}-{problem.kind}", "reward_model": {"style": "rule", "ground_truth": problem.answer},
             "extra_info": {"index": index, "split": split, "kind": problem.kind, "n": problem.n}}
 
 
 def write_dataset(directory: str | Path, *, train: int, val: int, kinds: tuple[str, ...] = ("local",),
-                  seed: int = RL_SEED) -> tuple[Path, Path]:
-    """(train.parquet, val.parquet) under `directory`: per kind, `train` problems from `seed` and the first
-    `val` held-out evaluation problems, interleaved by kind."""
+                  seed: int = RL_SEED, family: str = DEFAULT_FAMILY) -> tuple[Path, Path]:
+    """(train.parquet, val.parquet) under `directory`: per kind of the task family `family`, `train` problems
+    from `seed` and the first `val` held-out evaluation problems, interleaved by kind."""
     import pandas as pd
 
+    fam = task_family(family)                 # ValueError naming the known families
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise ValueError(f"kinds must be among {KINDS}, got {bad}")
-    held_out = {kind: eval_problems(val, kind) for kind in kinds}
+    held_out = {kind: fam.eval_problems(val, kind) for kind in kinds}
     seen = {(p.kind, p.y0, p.x0, p.n) for ps in held_out.values() for p in ps}
     train_rows, val_rows = [], []
     for kind in kinds:
-        drawn = [p for p in problems(seed, 2 * train, kind) if (p.kind, p.y0, p.x0, p.n) not in seen][:train]
+        drawn = [p for p in fam.problems(seed, 2 * train, kind) if (p.kind, p.y0, p.x0, p.n) not in seen][:train]
         train_rows += [(i, p) for i, p in enumerate(drawn)]
         val_rows += [(i, p) for i, p in enumerate(held_out[kind])]
     directory = Path(directory)
@@ -51,7 +53,7 @@ def write_dataset(directory: str | Path, *, train: int, val: int, kinds: tuple[s
     paths = directory / "train.parquet", directory / "val.parquet"
     for path, rows, split in ((paths[0], train_rows, "train"), (paths[1], val_rows, "val")):
         ordered = sorted(rows, key=lambda ip: (ip[0], ip[1].kind))   # kinds interleaved
-        pd.DataFrame([row(p, k, split) for k, (_, p) in enumerate(ordered)]).to_parquet(path)
+        pd.DataFrame([row(p, k, split, fam.name) for k, (_, p) in enumerate(ordered)]).to_parquet(path)
     return paths
 
 

@@ -47,9 +47,10 @@ def smoke(
     timeout: float = typer.Option(1800, help="Seconds before the trainer is stopped."),
     trainer: str = typer.Option("v1", help="v1: verl's default trainer (trainer.use_v1=true, TransferQueue, "
                                 "kvtier_sync mode); v0: its RayPPOTrainer (trainer.use_v1=false, DataProto)."),
-    task: str = typer.Option("toy", help="toy: a toy reward any model earns; chains: the reasoner's task and its "
-                             "graded reward (kvtier.rollout.chains_task; --model src/kvtier/models/reasoner, "
-                             "--response-length 1160)."),
+    task: str = typer.Option("toy", help="toy: a toy reward any model earns; or a task family of "
+                             "kvtier.tasks.chains and its graded reward (kvtier.rollout.chains_task): chains, the "
+                             "reasoner's (--model src/kvtier/models/reasoner --response-length 1160), or chains-long "
+                             "(2.5-4k-token traces: a model with >= 4,096 positions, --response-length 4000)."),
     learner: str = typer.Option("dense", help="dense: the actor scores every token with the whole context; "
                                 "replay: under each sample's own eviction (kvtier.rollout.learner_replay)."),
     learner_dtype: str = typer.Option("fp32", help="The actor's and reference's compute dtype: fp32, or bf16 "
@@ -58,10 +59,14 @@ def smoke(
 ) -> None:
     """Run verl's `main_ppo` (GRPO, hybrid engine, v1 or v0 trainer) on kvtier rollouts on CPU; one JSON line
     per step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
-    from .cpu.rl_smoke import LEARNER_DTYPES, TRAINERS, run_smoke
+    from .cpu.rl_smoke import LEARNER_DTYPES, TRAINERS, check_task, run_smoke
 
     if trainer not in TRAINERS:
         raise typer.BadParameter(f"--trainer must be one of {', '.join(TRAINERS)}")
+    try:
+        check_task(task)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--task") from None
     if learner_dtype not in LEARNER_DTYPES:
         raise typer.BadParameter(f"--learner-dtype must be one of {', '.join(LEARNER_DTYPES)}")
     result = run_smoke(steps=steps, model=model, workdir=workdir, batch_size=batch_size, n=n,

@@ -42,6 +42,19 @@ answer's tokens (reasoner_train.TrainConfig.answer_weight).
 Both kinds share the trace; they differ in the prompt's last field and the boxed answer. A trace line is
 10 tokens (the reasoner's tokenizer is one token per character, ``\\boxed{`` one token), so ``n`` in
 [90, 110] gives 920-1,130 trace tokens: longer than every evaluated budget (128, 256, 512) plus 2r.
+
+Families (issue #36), chosen by name (`family`, `FAMILIES`): a family is a length range, the counter the
+key follows, and its own random streams; the format above is every family's.
+
+* ``chains``: the shipped reasoner's, described above (n in [90, 110], key after counter 067; ~1,000-token
+  traces, the key ~680 tokens before the answer). Its problems are the ones the module-level functions
+  (`problems`, `eval_problems`, `sample_problem`) have always drawn, byte for byte.
+* ``chains-long``: n in [250, 390] (2,522-3,922 trace tokens), the key after counter 160, so the key line
+  sits 1,605 tokens before the restated question: at K = 512 a trace is compressed 5-8x and the needle has
+  to survive ~1,600 tokens of eviction rounds. A model needs >= 4,096 positions for it.
+
+The length range is a parameter (`Family.problems(..., n_range=)`, e.g. a curriculum's shorter phase); a
+needle needs n > key_at (its key line follows counter key_at), a local chain may have any length (1-999).
 """
 
 from __future__ import annotations
@@ -70,6 +83,7 @@ class ChainProblem:
     y0: int              # the value before x0, 0..99 (y0 and x0 not both 0)
     x0: int              # start value, 0..99
     n: int               # number of trace lines (counters n-1 .. 0)
+    key_at: int = KEY_AT  # the key follows the line with this counter (the family's)
 
     @property
     def prompt(self) -> str:
@@ -89,7 +103,7 @@ class ChainProblem:
 
     @property
     def key(self) -> int:
-        return self.values()[self.n - 1 - KEY_AT]
+        return self.values()[self.n - 1 - self.key_at]
 
     @property
     def answer(self) -> str:
@@ -102,7 +116,7 @@ class ChainProblem:
         for i, (y, x) in enumerate(self.pairs()):
             c = self.n - 1 - i
             lines.append(f"{c:03d} {show(y)} {show(x)}\n")
-            if c == KEY_AT:
+            if c == self.key_at:
                 lines.append(f"k={show(x)}\n")
         return "".join(lines) + ASK[self.kind] + "\n" + BOX + self.answer + "}"   # the question, restated
 
@@ -111,17 +125,57 @@ class ChainProblem:
                 "y0": self.y0, "x0": self.x0, "n": self.n}
 
 
-def sample_problem(rng: random.Random, kind: str, n_range: tuple[int, int] = N_RANGE) -> ChainProblem:
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    y0, x0 = rng.randint(0, 99), rng.randint(1, 99)     # x0 > 0: never the all-zero chain
-    return ChainProblem(kind, y0, x0, rng.randint(*n_range))
+def trace_tokens(n: int, key_at: int = KEY_AT) -> int:
+    """Tokens of a trace of `n` lines with the reasoner's tokenizer (one per character, ``\\boxed{`` one):
+    n + 1 lines of 10, the key line (5) when n > key_at, the question (3) and the boxed answer (4)."""
+    return 10 * (n + 1) + (5 if n > key_at else 0) + 3 + 4
 
 
-def problems(seed: int, count: int, kind: str, n_range: tuple[int, int] = N_RANGE) -> list[ChainProblem]:
-    """`count` problems of one kind from `seed` (same seed, same problems)."""
-    rng = random.Random(f"kvtier-reasoner/{kind}/{seed}")
-    return [sample_problem(rng, kind, n_range) for _ in range(count)]
+@dataclass(frozen=True)
+class Family:
+    """A named task family: trace lengths, the key's counter and its own seeded streams."""
+
+    name: str
+    n_range: tuple[int, int]     # steps per problem (inclusive)
+    key_at: int                  # the key line follows the line with this counter
+    stream: str                  # random.Random seed prefix of `problems` (each family draws its own)
+    max_tokens: int              # a generation budget: the longest trace plus a margin
+
+    def sample_problem(self, rng: random.Random, kind: str, n_range: tuple[int, int] | None = None) -> ChainProblem:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        lo, hi = n_range or self.n_range
+        if not 1 <= lo <= hi <= 999:
+            raise ValueError(f"n_range must be 1 <= lo <= hi <= 999 (three-digit counters), got {(lo, hi)}")
+        if kind == "needle" and lo <= self.key_at:
+            raise ValueError(f"{self.name}: a needle needs n > {self.key_at} (its key follows counter "
+                             f"{self.key_at:03d}), got n_range {(lo, hi)}")
+        y0, x0 = rng.randint(0, 99), rng.randint(1, 99)     # x0 > 0: never the all-zero chain
+        return ChainProblem(kind, y0, x0, rng.randint(lo, hi), self.key_at)
+
+    def problems(self, seed: int, count: int, kind: str, n_range: tuple[int, int] | None = None) -> list[ChainProblem]:
+        """`count` problems of one kind from `seed` (same seed, same problems)."""
+        rng = random.Random(f"{self.stream}/{kind}/{seed}")
+        return [self.sample_problem(rng, kind, n_range) for _ in range(count)]
+
+    def eval_problems(self, count: int, kind: str) -> list[ChainProblem]:
+        """The held-out set the eval and the README report (first `count` of a fixed sequence)."""
+        return self.problems(EVAL_SEED, count, kind)
+
+    @property
+    def max_trace_tokens(self) -> int:
+        """The longest trace (the reasoner's tokenizer), eos not counted."""
+        return trace_tokens(self.n_range[1], self.key_at)
+
+    @property
+    def min_trace_tokens(self) -> int:
+        return trace_tokens(self.n_range[0], self.key_at)
+
+    @property
+    def key_to_question_tokens(self) -> int:
+        """Tokens from the key line's start to the restated question's: the key line and the key_at
+        trace lines after it (the same for every n > key_at)."""
+        return 5 + 10 * self.key_at
 
 
 # Seeds: training draws from TRAIN_SEED (and a step counter), held-out evaluation from EVAL_SEED; the
@@ -129,7 +183,30 @@ def problems(seed: int, count: int, kind: str, n_range: tuple[int, int] = N_RANG
 TRAIN_SEED = 16
 EVAL_SEED = 1_000_016
 
+CHAINS = Family("chains", N_RANGE, KEY_AT, "kvtier-reasoner", max_tokens=1200)   # the shipped reasoner's
+CHAINS_LONG = Family("chains-long", (250, 390), 160, "kvtier-reasoner/chains-long", max_tokens=4000)
+FAMILIES = {f.name: f for f in (CHAINS, CHAINS_LONG)}
+DEFAULT_FAMILY = CHAINS.name
+
+
+def family(name: str) -> Family:
+    """The family called `name`; ValueError naming the known ones otherwise."""
+    try:
+        return FAMILIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown task family {name!r}; known: {', '.join(FAMILIES)}") from None
+
+
+# The shipped family's functions, as they always were.
+def sample_problem(rng: random.Random, kind: str, n_range: tuple[int, int] = N_RANGE) -> ChainProblem:
+    return CHAINS.sample_problem(rng, kind, n_range)
+
+
+def problems(seed: int, count: int, kind: str, n_range: tuple[int, int] = N_RANGE) -> list[ChainProblem]:
+    """`count` problems of one kind from `seed` (same seed, same problems)."""
+    return CHAINS.problems(seed, count, kind, n_range)
+
 
 def eval_problems(count: int, kind: str) -> list[ChainProblem]:
     """The held-out set the eval and the README report (first `count` of a fixed sequence)."""
-    return problems(EVAL_SEED, count, kind)
+    return CHAINS.eval_problems(count, kind)

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.tasks.chains import FAMILIES
+
 from . import toy_task
 
 EXTERNAL_MODULES = "kvtier.rollout.cpu.verl_platform,kvtier.rollout.verl_plugin,kvtier.rollout.cpu.rl_smoke_hooks"
@@ -61,6 +63,12 @@ def check_learner_dtype(learner_dtype: str) -> None:
     """ValueError naming the allowed values unless `learner_dtype` is one of LEARNER_DTYPES."""
     if learner_dtype not in LEARNER_DTYPES:
         raise ValueError(f"learner_dtype must be one of {LEARNER_DTYPES}, not {learner_dtype!r}")
+
+
+def check_task(task: str) -> None:
+    """ValueError naming the allowed values unless `task` is "toy" or a task family (kvtier.tasks.chains)."""
+    if task != "toy" and task not in FAMILIES:
+        raise ValueError(f"task must be toy or a task family ({', '.join(FAMILIES)}), not {task!r}")
 
 
 def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, batch_size: int, n: int,
@@ -228,12 +236,14 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
               kv_cache_mb: int = 64, lr: float = 1e-3, check_tokens: int = 16, timeout: float = 1800,
               echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1", task: str = "toy",
               learner: str = "dense", learner_dtype: str = "fp32") -> dict:
-    """task "toy": `toy_task`'s prompts and reward (any model); "chains": the reasoner's task family and its
-    graded reward (`kvtier.rollout.chains_task`; the model must speak it, e.g. src/kvtier/models/reasoner)."""
+    """task "toy": `toy_task`'s prompts and reward (any model); a task family of kvtier.tasks.chains ("chains",
+    "chains-long"): its problems and graded reward (`kvtier.rollout.chains_task`; the model must speak it,
+    e.g. src/kvtier/models/reasoner for chains, and response_length hold its traces)."""
     import tempfile
 
     if trainer not in TRAINERS:
         raise ValueError(f"trainer must be one of {TRAINERS}, not {trainer!r}")
+    check_task(task)
     from kvtier.models.tiny import ensure_tiny_model
     from kvtier.rollout.cpu.rl_smoke_hooks import CHECK_ENV, EVENTS_ENV
     from kvtier.rollout.verl_config import CONFIG_DIR, GRPO_CONFIG
@@ -246,16 +256,16 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     for p in (metrics_path, events_path):
         p.unlink(missing_ok=True)
     reward, chat = None, []
-    if task == "chains":
+    if task in FAMILIES:
         from kvtier.rollout import chains_task
 
-        train, val = chains_task.write_dataset(work / "data", train=batch_size * (steps + 1), val=2)
+        train, val = chains_task.write_dataset(work / "data", train=batch_size * (steps + 1), val=2, family=task)
         reward = Path(chains_task.__file__)
         chat = [f"+data.apply_chat_template_kwargs.chat_template='{chains_task.PROMPT_ONLY}'"]
     elif task == "toy":
         train, val = toy_task.write_dataset(work / "data", max(batch_size * (steps + 1), len(toy_task.PROMPTS)))
     else:
-        raise ValueError(f"task must be toy or chains, not {task!r}")
+        raise AssertionError(task)            # check_task let it through
     env_vars = {
         "VERL_PLATFORM": "cpu",
         "VERL_USE_EXTERNAL_MODULES": EXTERNAL_MODULES,
