@@ -1,6 +1,9 @@
 """Policies with parameters in an evaluation grid (issue #39 item 3: a `kvtier eval reasoner` grid over
 random_reserve's ρ): `--policies` parsing and refusal, distinct cell names, the request's kvtier_params,
-and summaries that keep two variants of one policy apart. Pure Python: no model, no engine."""
+and summaries that keep two variants of one policy apart (pure Python); the passcode probe with variants
+(the reference engine on the tiny model)."""
+
+import json
 
 import pytest
 
@@ -127,3 +130,33 @@ def test_plot_draws_one_line_per_variant(tmp_path):
         plt.Axes.errorbar = orig
     assert [s[0] for s in seen] == ["random", "random_reserve(reserve=0.05)", "random_reserve(reserve=0.1)"]
     assert len({s[1] for s in seen}) == 3 and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_probe_passcode_takes_policy_variants(tiny_model_dir, tmp_path):
+    """`kvtier eval probe-passcode --policies random,random_reserve:reserve=0.25`: each variant its own row,
+    and the reserve is what the engine ran (ρ = 0.25 keeps a different set than random on the same seed)."""
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    res = CliRunner().invoke(app, ["eval", "probe-passcode", "--model", str(tiny_model_dir), "--n", "2",
+                                   "--budget", "48", "--buffer", "16", "--threads", "1", "--distance", "4",
+                                   "--seed", "2", "--out", str(tmp_path), "--policies",
+                                   "full,random,random_reserve:reserve=0.25"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    pc = json.loads((tmp_path / "passcode.json").read_text())
+    rows = pc["policies"]
+    assert set(rows) == {"full", "random", "random_reserve(reserve=0.25)"}
+    assert "| random_reserve(reserve=0.25) |" in res.output
+    assert rows["random_reserve(reserve=0.25)"]["mean_logp"] != rows["random"]["mean_logp"]
+
+
+def test_probe_passcode_refuses_a_bad_variant_before_loading():
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    res = CliRunner().invoke(app, ["eval", "probe-passcode", "--model", "/nonexistent/model", "--out",
+                                   "/nonexistent/never-written", "--policies", "random_reserve:reserve=2"])
+    assert res.exit_code == 2, res.output + repr(res.exception)
+    assert "reserve" in res.output and "--policies" in res.output

@@ -206,7 +206,7 @@ def eval_probe_fact(
 def eval_probe_passcode(
     model: Model,
     out: OutDir,
-    policies: str = typer.Option("random,snapkv,rkv,vase", help="Comma-separated policies (and/or 'full')."),
+    policies: str = typer.Option("random,snapkv,rkv,vase", help=POLICIES_HELP + " 'full': no eviction."),
     n: int = typer.Option(16),
     budget: int = typer.Option(1024),
     buffer: int = typer.Option(64),
@@ -219,10 +219,16 @@ def eval_probe_passcode(
     threads: Threads = None,
 ) -> None:
     """Passcode probe (§5.3, Table 3): a passcode stated once, `distance` rounds before the question."""
+    from kvtier.engine.config import EvictionSpec
+
+    from .policy_spec import parse_policies, variant_name
     from .probes import format_passcode, run_passcode
 
+    specs = {variant_name(name, params): "full" if name == "full" else
+             EvictionSpec(policy=name, budget=budget, buffer=buffer, params=params)
+             for name, params in parse_policies(policy_items(policies))}
     eng, tok = _probe_setup(model, device, dtype, threads)
-    res = run_passcode(eng, tok, _csv(policies), n=n, budget=budget, buffer=buffer, distance=distance, seed=seed,
+    res = run_passcode(eng, tok, specs, n=n, budget=budget, buffer=buffer, distance=distance, seed=seed,
                        max_batch=max_batch, filler_text=filler.read_text() if filler else None)
     _write_probe(out, "passcode", res, format_passcode(res))
 
