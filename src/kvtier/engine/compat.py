@@ -89,6 +89,17 @@ def pool_counts(scheduler) -> tuple[int, int]:
     return pool.get_num_free_blocks(), pool.num_gpu_blocks - 1
 
 
+def step_limits(scheduler) -> tuple[int, int]:
+    """(tokens one step may schedule, requests that may run at once): vLLM's max_num_batched_tokens and
+    max_num_seqs as the scheduler holds them."""
+    return scheduler.max_num_scheduled_tokens, scheduler.max_num_running_reqs
+
+
+def waiting_head(scheduler):
+    """The waiting request vLLM would try to admit first (None: nothing waits)."""
+    return scheduler.waiting.peek_request() if scheduler.waiting else None
+
+
 def kv_block_size(scheduler) -> int:
     return scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
 

@@ -7,12 +7,14 @@ import json
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, InstanceOf, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvtier.policies import EvictionPolicy, EvictionSchedule, PolicyError, make_policy
+from kvtier.policies.base import ATTENTION, QUERIES
 
 FULL = "full"  # the budget that means full attention (requests, tiers)
+ELASTIC = "elastic"  # full attention until the engine runs out of blocks, then the request's floor
 
 # Request keys accepted in SamplingParams.extra_args (and OpenAI `vllm_xargs`).
 REQUEST_KEYS = {
@@ -24,6 +26,7 @@ REQUEST_KEYS = {
     "kvtier_sinks": "sinks",
     "kvtier_seed": "seed",
     "kvtier_params": "params",
+    "kvtier_floor": "floor",
 }
 
 
@@ -69,6 +72,17 @@ class EvictionSpec(EvictionSettings):
     # the first turn / original prompt, so a context longer than K can still run compressed.
     protect_prefix: int | None = Field(default=None, ge=0)
     seed: int | None = None
+    # Elastic (`kvtier_budget: elastic`): budget None and a floor K_min. The request runs at full attention;
+    # when the engine would otherwise preempt (or could not admit the next request) for lack of blocks, the
+    # scheduler tightens it once, to budget = floor (`tightened`), and it is a compressed request from
+    # that round on (scheduler_side.SchedulerEviction.relieve). The floor stays on the tightened spec.
+    floor: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _floor_is_elastic(self):
+        if self.floor is not None and self.budget is not None and self.budget != self.floor:
+            raise ValueError(f"floor {self.floor} applies to an elastic budget; budget {self.budget} is fixed")
+        return self
 
     @field_validator("params", mode="before")
     @classmethod
@@ -83,6 +97,15 @@ class EvictionSpec(EvictionSettings):
     @property
     def compressed(self) -> bool:
         return self.budget is not None
+
+    @property
+    def elastic(self) -> bool:
+        """An elastic request, tightened or not."""
+        return self.floor is not None
+
+    def tightened(self) -> "EvictionSpec":
+        """This elastic spec at its floor (what a tightened request runs from then on)."""
+        return self.model_copy(update={"budget": self.floor})
 
     def schedule(self) -> EvictionSchedule:
         return EvictionSchedule(budget=self.budget, buffer=self.buffer)
@@ -113,12 +136,13 @@ class EvictionSpec(EvictionSettings):
         Full attention: {"kvtier_budget": "full"}. Compressed: budget, policy and buffer always, the optional
         fields when set. xargs=True: OpenAI `vllm_xargs` form (str/int/float only: protect_prompt as 0/1,
         params as a JSON string)."""
-        if not self.compressed:
+        if not self.compressed and not self.elastic:
             return {"kvtier_budget": FULL}
         if not isinstance(self.policy, str):
             raise PolicyError("a policy instance cannot be sent to the vLLM engine; use a registered name")
         return encode_request_args({
-            "budget": self.budget, "policy": self.policy, "buffer": self.buffer,
+            "budget": self.budget if self.compressed and not self.elastic else ELASTIC, "floor": self.floor,
+            "policy": self.policy, "buffer": self.buffer,
             "protect_prompt": self.protect_prompt, "protect_prefix": self.protect_prefix, "sinks": self.sinks,
             "seed": self.seed, "params": self.params or None}, xargs=xargs)
 
@@ -127,7 +151,7 @@ class EvictionSpec(EvictionSettings):
         longer than K + 2r, possible with protect_prefix, is compacted to K + r at the first decode step,
         before that step's slot is allocated)."""
         total = prompt_len + max_tokens
-        if self.compressed:
+        if self.compressed:     # an elastic request before tightening: full attention's
             total = min(total, max(prompt_len, self.budget + 2 * self.buffer))
         return -(-total // block_size)
 
@@ -190,9 +214,17 @@ def resolve_request_spec(default: EvictionSpec, extra_args: dict[str, Any] | Non
     overrides = {REQUEST_KEYS[k]: v for k, v in extra_args.items() if k in REQUEST_KEYS}
     if not overrides:
         return default
-    if overrides.get("budget") in (FULL, "none", 0) or ("budget" in overrides and overrides["budget"] is None):
+    elastic = overrides.get("budget") == ELASTIC
+    if elastic or overrides.get("budget") in (FULL, "none", 0) or ("budget" in overrides and overrides["budget"] is None):
         overrides["budget"] = None
+    if "floor" in overrides and not elastic and not (default.elastic and "budget" not in overrides):
+        raise EvictionConfigError("kvtier_floor applies only with kvtier_budget 'elastic'")
     merged = {**default.model_dump(), **overrides}
+    if "budget" in overrides and not elastic:
+        merged["floor"] = None              # a fixed budget (or full attention) replaces an elastic default
+    elif elastic and merged.get("floor") is None:
+        raise EvictionConfigError("kvtier_floor: required with kvtier_budget 'elastic' (the smallest budget K "
+                                  "the request may be tightened to)")
     if "policy" in overrides and "params" not in overrides:
         merged["params"] = {}  # the default's params belong to the default's policy
     try:
@@ -206,6 +238,14 @@ def validate_request(spec: EvictionSpec, prompt_len: int, **model_shape: int | N
     """Reject what cannot be served: unknown policy or parameters, a prompt the budget cannot protect,
     a policy missing what only the request can supply (a policy's `check_serving`, e.g. triattention's
     calibration; `model_shape` = num_layers / num_kv_heads / head_dim when the caller knows them)."""
+    if spec.elastic and not spec.compressed:
+        policy = spec.make_policy()
+        if reads := policy.needs & {QUERIES, ATTENTION}:
+            raise EvictionConfigError(
+                f"kvtier_policy {spec.policy_name!r} reads {sorted(reads)} from the start of a request, which an "
+                "elastic request (full attention until tightened) does not capture; elastic is tested with "
+                "policies that read keys or nothing (random, random_reserve, ...)")
+        spec = spec.tightened()          # what it may become: the floor must hold the protected prompt
     if not spec.compressed:
         return
     try:

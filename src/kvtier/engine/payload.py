@@ -32,6 +32,8 @@ class StepPayload:
     resets: dict[str, int] = field(default_factory=dict)    # preempted: req -> first query row recomputed in full
     blocks_freed: int = 0
     preempted_compressed: int = 0
+    tightenings: dict[str, int] = field(default_factory=dict)   # elastic requests tightened, by why
+    elastic: tuple[int, int] = (0, 0)     # elastic requests (at their floor, in all) held by the scheduler
 
 # What the worker sends back on the step's ModelRunnerOutput: {req_id: error} for requests whose policy
 # failed (the scheduler finishes them with an error).

@@ -9,6 +9,9 @@ Prefix caching with eviction (`prefix_cache_caps`): a compressed request's block
 only while they lie wholly inside its protected prefix, the positions no round ever writes, and it reads
 cached blocks only there (none when its policy reads the prompt's queries or attention). Full-attention
 requests cache and read as in stock vLLM.
+
+Elastic requests (`relieve`, engine/elastic.py) are tracked from the start at full attention and tightened
+to their floor when the pool runs short; they cache and read only what their floor's policy protects.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from kvtier.policies.base import ATTENTION, QUERIES
 
 from . import compat
 from .config import EngineEvictionConfig, EvictionSpec, resolve_request_spec
+from .elastic import Candidate, blocks_for, choose
 from .payload import CompactionOp, StepPayload
 
 
@@ -36,6 +40,8 @@ def prefix_cache_caps(spec: EvictionSpec, prompt_len: int, block_size: int) -> t
     every other request sharing it). A policy reading the prompt's queries or accumulated attention
     (snapkv, h2o, vase, diverse) reads nothing: a hit skips the prefill that feeds it, so its keep-sets
     would change."""
+    if spec.elastic:      # the blocks must stay valid once it is tightened: cache what its floor protects
+        spec = spec.tightened()
     policy = spec.make_policy()
     cache = policy.protected_len(prompt_len) // block_size * block_size
     read = 0 if policy.needs & {QUERIES, ATTENTION} else cache
@@ -53,6 +59,11 @@ class RequestEviction:
     rounds: int = 0
     compacted: bool = False  # a round ran since the cache was last (re)built chronologically
 
+    @property
+    def loose(self) -> bool:
+        """An elastic request still at full attention."""
+        return self.spec.elastic and not self.spec.compressed
+
 
 @dataclass
 class SchedulerEviction:
@@ -67,6 +78,7 @@ class SchedulerEviction:
     reserved_blocks: int = 0
     blocks_freed: int = 0               # deltas shipped to the worker with the next step
     preempted_compressed: int = 0
+    tightenings: dict[str, int] = field(default_factory=dict)   # why ("preemption" / "admission") -> count
 
     # -- request lifecycle -------------------------------------------------------------------
     def on_add(self, request) -> None:
@@ -74,12 +86,15 @@ class SchedulerEviction:
         if sp is None:
             return
         spec = resolve_request_spec(self.cfg.default, sp.extra_args)
-        if spec.compressed:
+        if spec.compressed or spec.elastic:
             max_tokens = sp.max_tokens if sp.max_tokens is not None else 1 << 30
             cache_cap, read_cap = prefix_cache_caps(spec, request.num_prompt_tokens, self.block_size)
+            # an elastic request's bound is its floor's: what reserve admission counts, since it can be
+            # tightened there whenever the blocks are needed
+            bound = spec.tightened() if spec.elastic else spec
             self.states[request.request_id] = RequestEviction(
                 spec, request.num_prompt_tokens,
-                spec.max_blocks(request.num_prompt_tokens, max_tokens, self.block_size), cache_cap, read_cap)
+                bound.max_blocks(request.num_prompt_tokens, max_tokens, self.block_size), cache_cap, read_cap)
             if read_cap == 0:
                 compat.skip_prefix_cache_reads(request)   # vLLM's own per-request skip (no hit, no query counted)
 
@@ -127,8 +142,67 @@ class SchedulerEviction:
                 growth += 1
                 continue
             growth += self._plan_one(scheduler, request, st)
+        self.relieve(scheduler)
+        # blocks loose elastic requests hold past their floor's bound are theirs only until needed
+        reclaimable = sum(max(0, len(compat.request_blocks(scheduler, r.request_id)) - self.states[r.request_id].max_blocks)
+                          for r in scheduler.running if r.request_id in self.states and self.states[r.request_id].loose)
         free, _usable = compat.pool_counts(scheduler)
-        self.reserved_blocks = self.pool_blocks - free + growth
+        self.reserved_blocks = self.pool_blocks - free + growth - reclaimable
+
+    # -- elastic budgets (engine/elastic.py) ---------------------------------------------------------
+    def relieve(self, scheduler) -> None:
+        """Tighten running elastic requests to their floors where this step's blocks would not fit: first
+        for the running requests' next tokens (vLLM would preempt), then for the next waiting request's
+        prompt when a seat is free (only if tightening can make it fit)."""
+        loose = {r.request_id: r for r in scheduler.running if r.request_id in self.states and self.states[r.request_id].loose}
+        if not loose:
+            return
+        bs = self.block_size
+        tokens, seats = compat.step_limits(scheduler)
+        needs = {}
+        for request in scheduler.running:
+            st = self.states.get(request.request_id)
+            n = min(max(1, request.num_tokens - request.num_computed_tokens), max(tokens, 1))
+            tokens -= n
+            held = len(compat.request_blocks(scheduler, request.request_id))
+            needs[request.request_id] = max(0, blocks_for(request.num_computed_tokens - (st.offset if st else 0) + n, bs) - held)
+        need = sum(needs.values())
+        cands = {rid: c for rid, r in loose.items() if (c := self._candidate(scheduler, r, needs[rid])) is not None}
+        free, _ = compat.pool_counts(scheduler)
+        for rid in choose(list(cands.values()), need - free):
+            free += self._tighten(scheduler, loose[rid], "preemption") + needs[rid]
+            need -= needs[rid]          # counted in what its tightening gives back
+            cands.pop(rid)
+        head = compat.waiting_head(scheduler)
+        if head is not None and len(scheduler.running) < seats and tokens > 0:
+            admit = blocks_for(min(head.num_tokens - head.num_computed_tokens, tokens), bs)
+            for rid in choose(list(cands.values()), need + admit - free, all_or_nothing=True):
+                free += self._tighten(scheduler, loose[rid], "admission") + needs[rid]
+                need -= needs[rid]
+
+    def _candidate(self, scheduler, request, need: int) -> Candidate | None:
+        """A loose elastic request a tightening would shrink now: decoding, nothing pending, and holding
+        enough that its floor's catch-up round runs at once (K + 2r entries or more). What it takes this
+        step counts: its held blocks plus the `need` its next token would allocate, against the blocks it
+        holds at its floor with that token (K + r + 1 entries)."""
+        rid = request.request_id
+        st = self.states[rid]
+        if rid in self.pending or rid in self.failed or not compat.is_plain_decode(request):
+            return None
+        sched = st.spec.tightened().schedule()
+        if request.num_computed_tokens - st.offset < sched.max_cached:
+            return None
+        return Candidate(rid, len(compat.request_blocks(scheduler, rid)) + need,
+                         blocks_for(sched.settled_len + 1, self.block_size))
+
+    def _tighten(self, scheduler, request, why: str) -> int:
+        """Set the request's budget to its floor and run its round now; the blocks it freed."""
+        st = self.states[request.request_id]
+        before = len(compat.request_blocks(scheduler, request.request_id))
+        st.spec = st.spec.tightened()
+        self._compact_if_due(scheduler, request, st)
+        self.tightenings[why] = self.tightenings.get(why, 0) + 1
+        return before - len(compat.request_blocks(scheduler, request.request_id))
 
     def _plan_one(self, scheduler, request, st: RequestEviction) -> int:
         """Compact one running compressed request if a round is due; the blocks it may still grow by.
@@ -136,6 +210,8 @@ class SchedulerEviction:
         newest token may still be a placeholder, its KV is written by the step in flight, which the worker
         finishes before this step's compaction runs."""
         rid = request.request_id
+        if st.loose:          # full attention until tightened (relieve); grows like a full request
+            return 1
         if rid not in self.pending and rid not in self.failed and compat.is_plain_decode(request):
             self._compact_if_due(scheduler, request, st)
         return max(0, st.max_blocks - len(compat.request_blocks(scheduler, rid)))
@@ -185,10 +261,14 @@ class SchedulerEviction:
             self.preempted.discard(rid)
         offsets = {rid: self.states[rid].offset for rid in scheduled
                    if rid in self.states and self.states[rid].offset}
+        elastic = [st for st in self.states.values() if st.spec.elastic]
         p = StepPayload(ops=list(self.pending.values()), offsets=offsets, resets=dict(self.resets),
-                        blocks_freed=self.blocks_freed, preempted_compressed=self.preempted_compressed)
+                        blocks_freed=self.blocks_freed, preempted_compressed=self.preempted_compressed,
+                        tightenings=dict(self.tightenings),
+                        elastic=(sum(1 for st in elastic if st.spec.compressed), len(elastic)))
         self.pending.clear()
         self.resets.clear()
+        self.tightenings.clear()
         self.blocks_freed = self.preempted_compressed = 0
         return p
 

@@ -28,6 +28,13 @@ class EngineCounters:
     preemptions_compressed: int = 0
     policy_failures: int = 0         # rounds whose policy raised (the request was aborted with an error)
     wakeups: int = 0                 # wake-ups after vLLM sleep mode (device tables rebuilt each time)
+    # elastic budgets (engine/elastic.py): tightenings by why ("preemption": this step's running requests
+    # would not have fit, each one a preemption avoided; "admission": the next waiting request would not),
+    # tokens their rounds evicted (per KV head), and elastic requests held now (at their floor, in all)
+    tightenings: dict[str, int] = field(default_factory=dict)
+    tokens_evicted_under_pressure: int = 0
+    elastic_at_floor: int = 0
+    elastic_requests: int = 0
     round_ms_sum: float = 0.0
     round_ms_count: int = 0
     round_ms_buckets: list[int] = field(default_factory=lambda: [0] * (len(ROUND_MS_BUCKETS) + 1))

@@ -183,6 +183,10 @@ class WorkerEviction:
                 self.audit.write(req_id=rid, reset_row=row)
         self.stats.engine.blocks_freed += payload.blocks_freed
         self.stats.engine.preemptions_compressed += payload.preempted_compressed
+        eng = self.stats.engine
+        for why, n in payload.tightenings.items():
+            eng.tightenings[why] = eng.tightenings.get(why, 0) + n
+        eng.elastic_at_floor, eng.elastic_requests = payload.elastic
         self._compacted_this_step = bool(payload.ops)
         for rid in self.draw_check.failed(self.requests):
             self.failures[rid] = "random's keyed draw came out short (fewer than K distinct victims)"
@@ -299,6 +303,8 @@ class WorkerEviction:
                 st.attention[:, :, op.new_len :] = 0                         # freed slots start at 0
             compat.truncate_request_blocks(self.runner, op.req_id, op.keep_blocks)
             self.stats.record_round(op.req_id, op.spec.policy, op.old_len - op.new_len)
+            if op.spec.elastic and op.round == 1:      # the tightening round of an elastic request
+                self.stats.engine.tokens_evicted_under_pressure += op.old_len - op.new_len
             if self.audit is not None:
                 kept = st.positions.sort(dim=2).values[:, :, : op.new_len - op.spec.buffer]
                 self.audit.write(req_id=op.req_id, round=op.round, query_position=op.query_position,
