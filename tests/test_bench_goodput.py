@@ -65,7 +65,12 @@ def test_bench_goodput_stock_and_two_kvtier_arms(tmp_path):
     r = run_json(["bench", "goodput", "--problems", "2", "--arms", "stock,full,k512", "--concurrency", "4",
                   "--workdir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)])
     assert json.loads(out.read_text()) == r and plot.stat().st_size > 1000
-    assert r["commit"] and r["machine"]["cores"] >= 1 and r["settings"]["kv_cache_bytes"] == 8 << 20
+    from kvtier.service.sizing import DTYPE_BYTES, kv_bytes_per_token
+
+    # --kv-bytes auto: 4 traces of 1,024 tokens in the dtype `auto` picked (8 MiB in bf16, 16 MiB in float32)
+    per_token = kv_bytes_per_token(r["settings"]["model_path"], DTYPE_BYTES[r["settings"]["dtype"]])
+    assert r["commit"] and r["machine"]["cores"] >= 1 and r["settings"]["kv_cache_bytes"] == 4 * 1024 * per_token
+    assert r["routing_rule"] == "headroom"
     arms = r["arms"]
     assert set(arms) == {"stock", "full", "k512"} and len(r["runs"]) == 1
     for name, a in arms.items():
@@ -76,3 +81,36 @@ def test_bench_goodput_stock_and_two_kvtier_arms(tmp_path):
     assert min(arms["full"]["accuracy"].values()) >= 0.9 and arms["full"]["correct_per_s"] > 0
     assert arms["stock"]["correct_per_s"] > 0 and arms["stock"]["correct_per_s_ratio_to_stock"] == 1.0
     assert arms["full"]["eviction_events"] == 0 and arms["k512"]["eviction_events"] > 0
+
+
+def test_load_sweep_runs_every_arm_at_every_load_and_plots(tmp_path, monkeypatch):
+    """--concurrency 1,4: one run_goodput per load (here a stand-in), kept under `loads` with the shared
+    settings once; the plot draws one line per arm."""
+    from kvtier.benchmarks import goodput_load
+
+    calls = []
+
+    def fake(settings, config, tasks, arms, runs, workdir, concurrency, max_tokens, seed, log, family):
+        calls.append(concurrency)
+        arm = lambda c: {"accuracy": {"local": 1.0, "needle": 0.5}, "correct_per_s": 0.1 * c, "preemptions": 0,  # noqa: E731
+                         "tightenings": c, "ci": {"local": {"accuracy": [1.0, 1.0]}, "needle": {"accuracy": [0.3, 0.7]}}}
+        return {"arms": {a: arm(concurrency) for a in arms}, "runs": [{}], "concurrency": concurrency,
+                "settings": {"kv_cache_bytes": 16 << 20, "dtype": "float32"}, "tasks": {"problems": 4},
+                "machine": {"cores": 2}, "commit": "abc", "max_tokens": 1200, "routing_rule": "headroom"}
+
+    monkeypatch.setattr(goodput_load, "run_goodput", fake)
+    res = goodput_load.run_goodput_loads(None, {}, [], ["stock", "elastic"], 1, tmp_path, [1, 4], 1200, log=lambda m: None)
+    assert calls == [1, 4] and list(res["loads"]) == ["1", "4"]
+    assert res["loads"]["4"]["arms"]["elastic"]["tightenings"] == 4 and res["loads"]["4"]["concurrency"] == 4
+    assert res["commit"] == "abc" and "settings" not in res["loads"]["1"]
+    goodput_load.plot_loads(res, tmp_path / "loads.png")
+    assert (tmp_path / "loads.png").stat().st_size > 1000
+
+
+def test_bad_concurrency_is_a_usage_error():
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "goodput", "--concurrency", "4,x", "--workdir", "/nonexistent/never"])
+    assert r.exit_code == 2 and "--concurrency" in r.output, r.output

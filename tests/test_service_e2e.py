@@ -22,7 +22,7 @@ MODEL = "tiny"
 ALICE, BOB = "sk-alice", "sk-bob"
 CONFIG = {
     "server": {"load_poll_s": 0.5, "request_timeout_s": 120},
-    "routing": {"min_trace_share": 0.5, "on_pressure": "fallback"},
+    "routing": {"min_trace_share": 0.5, "on_pressure": "fallback", "rule": "cheapest-fit"},
     "engines": {"cpu": {
         "model": "tiny", "model_id": MODEL, "max_model_len": 2048, "kv_cache_bytes": "32MiB",
         "engine_kwargs": {"max_num_seqs": 8, "enforce_eager": True},

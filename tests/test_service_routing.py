@@ -22,7 +22,7 @@ def make_cfg(**over):
         ],
         "tenants": {"alice": {"api_keys": ["sk-a"], "tiers": ["full", "small"]},
                     "bob": {"api_keys": ["sk-b"]}},
-        "routing": {"min_trace_share": 0.5},
+        "routing": {"min_trace_share": 0.5, "rule": "cheapest-fit"},
     }
     data.update(over)
     return parse_config(data)
@@ -45,7 +45,8 @@ def test_shipped_configs_validate(name):
 
 def test_local_config_is_open_mode_on_one_cpu_engine():
     cfg = load_config(CONFIGS / "local.yaml")
-    assert cfg.open_mode and len(cfg.engines) == 1 and 2 <= len(cfg.tiers) <= 3
+    assert cfg.open_mode and len(cfg.engines) == 1 and 2 <= len(cfg.tiers) <= 4
+    assert cfg.routing.rule == "headroom" and [t.name for t in cfg.tiers if t.elastic] == ["elastic"]
     assert next(iter(cfg.engines.values())).accelerator == "cpu"
 
 
@@ -142,7 +143,7 @@ def test_long_prompt_skips_budgets_it_would_crowd():
 
 
 def test_trace_share_is_tunable():
-    cfg = make_cfg(routing={"min_trace_share": 0.25})
+    cfg = make_cfg(routing={"min_trace_share": 0.25, "rule": "cheapest-fit"})
     assert decide(cfg, prompt=192, max_tokens=2000).tier.name == "small"
     assert decide(cfg, prompt=193, max_tokens=2000).tier.name == "big"
 
@@ -226,7 +227,7 @@ def test_pressure_falls_back_to_a_smaller_budget():
 
 def test_pressure_is_ignored_for_explicit_tiers_and_in_queue_mode():
     assert decide(make_cfg(), 20, 3000, tier="big", loads=HOT).reason == "explicit"
-    d = decide(make_cfg(routing={"on_pressure": "queue"}), 600, 3000, loads=HOT)
+    d = decide(make_cfg(routing={"on_pressure": "queue", "rule": "cheapest-fit"}), 600, 3000, loads=HOT)
     assert (d.tier.name, d.reason) == ("full", "pressure-queued")
 
 
@@ -477,3 +478,88 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_a_value_error():
     assert counter.completion("y=37 x=05 n=100 ?x\n") == 20
     with pytest.raises(ValueError, match="UNK"):
         counter.completion("hello")
+
+
+# -- routing.rule: headroom (the default) --------------------------------------------------------------------
+def headroom_cfg(elastic=True):
+    tiers = [{"name": "full", "engine": "cpu", "budget": "full"},
+             {"name": "small", "engine": "cpu", "budget": 256, "buffer": 64},
+             {"name": "big", "engine": "cpu", "budget": 1024, "buffer": 64}]
+    if elastic:
+        tiers.append({"name": "elastic", "engine": "cpu", "budget": "elastic", "floor": 256, "buffer": 64})
+    return make_cfg(tiers=tiers, tenants={}, server={"auth": "open"}, routing={"min_trace_share": 0.5})
+
+
+def free(blocks, waiting=0):
+    return {"cpu": EngineLoad(kv_usage=0.5, waiting=waiting, free_blocks=blocks, block_size=128)}
+
+
+def test_headroom_is_the_default_rule():
+    assert parse_config({"engines": {"e": {"max_model_len": 64}}, "tiers": [{"name": "f", "engine": "e"}],
+                         "server": {"auth": "open"}}).routing.rule == "headroom"
+
+
+@pytest.mark.parametrize("free_blocks, waiting, want", [
+    (None, 0, ("full", "headroom")),            # before the first poll: idle is assumed
+    (1000, 0, ("full", "headroom")),            # idle: full attention (prompt 100 + 3000 = 25 blocks)
+    (25, 0, ("full", "headroom")),              # exactly fits
+    (24, 0, ("big", "headroom")),               # filling: K=1024 + 2r = 1152 -> 9 blocks
+    (9, 0, ("big", "headroom")),
+    (8, 0, ("small", "headroom")),              # K=256 + 2r = 384 -> 3 blocks
+    (2, 0, ("elastic", "headroom-floor")),      # nothing fits: the elastic tier's floor
+    (1000, 1, ("elastic", "headroom-floor")),   # the engine already queues: nothing "fits"
+])
+def test_headroom_takes_the_largest_budget_that_fits(free_blocks, waiting, want):
+    d = route(headroom_cfg(), RequestShape(100, 3000), {"full", "small", "big", "elastic"},
+              free(free_blocks, waiting) if free_blocks is not None else None)
+    assert (d.tier.name, d.reason) == want
+    assert str(free_blocks) in d.detail or free_blocks is None or d.reason == "headroom-floor"
+
+
+def test_headroom_without_an_elastic_tier_queues_on_the_smallest_budget():
+    d = route(headroom_cfg(elastic=False), RequestShape(100, 3000), {"full", "small", "big"}, free(2))
+    assert (d.tier.name, d.reason) == ("small", "headroom-queued")
+
+
+def test_headroom_respects_the_trace_share_and_the_tenant():
+    cfg = headroom_cfg()
+    # a 200-token prompt leaves under half of K=256 (and of the floor): big when it fits, else queued on big
+    assert route(cfg, RequestShape(200, 3000), {"full", "small", "big", "elastic"}, free(9)).tier.name == "big"
+    d = route(cfg, RequestShape(200, 3000), {"full", "small", "big", "elastic"}, free(2))
+    assert (d.tier.name, d.reason) == ("big", "headroom-queued")
+    d = route(cfg, RequestShape(200, 3000), {"full", "small", "elastic"}, free(2))
+    assert (d.tier.name, d.reason) == ("full", "headroom-queued")
+    # a tenant without full attention gets the largest budget it may use
+    assert route(cfg, RequestShape(100, 3000), {"small", "elastic"}, free(1000)).tier.name == "small"
+
+
+def test_elastic_tier_spec_and_refusals():
+    t = headroom_cfg().tier("elastic")
+    assert (t.compressed, t.elastic, t.bound_budget) == (False, True, 256)
+    assert t.extra_args() == {"kvtier_budget": "elastic", "kvtier_floor": 256, "kvtier_policy": "random",
+                              "kvtier_buffer": 64}
+    base = {"name": "e", "engine": "cpu"}
+    for tier, field in [({"budget": "elastic"}, "floor"), ({"budget": 512, "floor": 256}, "floor"),
+                        ({"budget": "elastic", "floor": 256, "policy": "rkv"}, "rkv"),
+                        ({"budget": "elastic", "floor": 4096}, "floor 4096"),
+                        ({"budget": "elastic", "floor": 16, "sinks": 32}, "floor 16")]:
+        with pytest.raises(ConfigError, match=field):
+            make_cfg(tiers=[{"name": "full", "engine": "cpu"}, {**base, **tier}])
+
+
+def test_router_debits_what_it_routed_until_the_next_poll():
+    from kvtier.service.engine_health import EngineHealth
+
+    cfg = headroom_cfg()
+    health = EngineHealth(cfg, {})
+    health.loads["cpu"] = free(30)["cpu"]
+    allowed = {"full", "small", "big", "elastic"}
+    got = []
+    for _ in range(4):      # a burst between two polls: each decision sees the blocks the earlier ones took
+        d = route(cfg, RequestShape(100, 3000), allowed, health.routing_loads())
+        health.debit(d, cfg)
+        got.append(d.tier.name)
+    assert got == ["full", "small", "elastic", "elastic"]      # 30 - 25 = 5 -> small (3) -> 2 left
+    health.loads["cpu"] = free(30)["cpu"]                      # a fresh poll: the debits are spent
+    health.on_polled("cpu")
+    assert route(cfg, RequestShape(100, 3000), allowed, health.routing_loads()).tier.name == "full"

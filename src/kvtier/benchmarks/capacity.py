@@ -109,8 +109,9 @@ def tier_capacity(cfg: ServiceConfig, engine: str, model: Mapping[str, Any], kv_
     block, total = block_size(eng), pool_blocks(eng, model, kv_bytes)
     tiers = {}
     for t in (t for t in cfg.tiers if t.engine == engine):
-        prompt = prompt_room(t, cfg.routing.min_trace_share) if t.compressed else 0
-        blocks = t.spec.max_blocks(prompt, trace_tokens - prompt, block)
+        prompt = prompt_room(t, cfg.routing.min_trace_share) if t.bound_budget else 0
+        spec = t.spec.tightened() if t.elastic else t.spec       # an elastic tier at its floor: what fits at most
+        blocks = spec.max_blocks(prompt, trace_tokens - prompt, block)
         tiers[t.name] = {"budget": t.budget, "blocks_per_trace": blocks, "traces": total // blocks}
     return {"kv_bytes": kv_bytes, "block_size": block, "pool_blocks": total, "tiers": tiers}
 

@@ -94,10 +94,10 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
 
     headers = {} if arm in ("stock", "auto") else {"x-kvtier-tier": arm}
     kind = "stock" if arm == "stock" else "kvtier"
-    before = counters(kind, server)
+    before, tight0 = counters(kind, server), tightenings(kind, server)
     with contextlib.redirect_stdout(io.StringIO()):
         r = vllm_bench(bench_args(settings, server, dataset, len(tasks), concurrency, max_tokens, headers, seed))
-    after = counters(kind, server)
+    after, tight1 = counters(kind, server), tightenings(kind, server)
     errors = list(r.get("errors") or [""] * len(tasks))
     per = []
     for t, text, n_out, err in zip(tasks, r["generated_texts"], r["output_lens"], errors):
@@ -109,7 +109,18 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
             "e2el_ms": float(r["mean_e2el_ms"]), "e2el_p99_ms": float(r["p99_e2el_ms"]),
             "tok_per_s": float(r["output_throughput"]), "failed": int(r["failed"]),
             "preemptions": None if after[0] is None else after[0] - (before[0] or 0.0),
-            "eviction_events": None if after[1] is None else after[1] - (before[1] or 0.0)}
+            "eviction_events": None if after[1] is None else after[1] - (before[1] or 0.0),
+            "tightenings": None if tight1 is None else tight1 - (tight0 or 0.0)}
+
+
+def tightenings(kind: str, server: ServerProcess) -> float | None:
+    """Elastic requests tightened so far on a kvtier server's engines (None for stock)."""
+    if kind == "stock":
+        return None
+    import httpx
+
+    engines = httpx.get(server.url + "/v1/kvtier/stats", params={"eviction": "true"}, timeout=30).json()["engines"]
+    return float(sum(sum(((e.get("eviction") or {}).get("tightenings") or {}).values()) for e in engines.values()))
 
 
 def _scores(per: list[dict], kind: str) -> dict:
@@ -140,7 +151,8 @@ def summarize_arm(raw: dict, full: dict | None) -> dict:
            "p99_output_tokens": float(np.percentile(lengths, 99)),
            "ttft_ms": round(raw["ttft_ms"], 1), "ttft_p99_ms": round(raw["ttft_p99_ms"], 1),
            "e2el_ms": round(raw["e2el_ms"], 1), "e2el_p99_ms": round(raw["e2el_p99_ms"], 1),
-           "preemptions": raw["preemptions"], "eviction_events": raw["eviction_events"], "failed": raw["failed"]}
+           "preemptions": raw["preemptions"], "eviction_events": raw["eviction_events"],
+           "tightenings": raw.get("tightenings"), "failed": raw["failed"]}
     if full is not None:
         theirs = {p["pid"]: p["output_tokens"] for p in full["per_problem"]}
         shared = [p for p in per if p["pid"] in theirs]
@@ -209,7 +221,8 @@ def run_goodput(settings: EngineSettings, config: dict, tasks: list[GradedTask],
                                                                for r in per_run]} for arm in arms},
             "settings": asdict(settings), "tasks": {"problems": len(tasks), "kinds": sorted({t.kind for t in tasks}),
                                                 **({"family": family} if family else {})},
-            "concurrency": concurrency, "max_tokens": max_tokens, **where}
+            "concurrency": concurrency, "max_tokens": max_tokens,
+            "routing_rule": config.get("routing", {}).get("rule"), **where}
 
 
 def plot(result: dict, path: Path) -> None:

@@ -28,7 +28,8 @@ def register(bench_app: typer.Typer) -> None:
         config: Optional[Path] = typer.Option(None, "--config", "-c", help="Service YAML with one engine "
                                               "(default: src/kvtier/configs/reasoner.yaml)."),
         problems: int = typer.Option(64, help="Problems per kind (reasoner) or the first 2x this many lines (0: all)."),
-        concurrency: int = typer.Option(32, help="Requests in flight (vLLM's benchmark --max-concurrency)."),
+        concurrency: str = typer.Option("32", help="Requests in flight (vLLM's benchmark --max-concurrency); "
+                                        "several (1,4,16,64): every arm at every load, JSON under `loads`."),
         kv_bytes: str = typer.Option(DEFAULT_KV, "--kv-bytes", help="Every engine's KV pool (auto: "
                                      f"{POOL_TRACES} traces of {TRACE_TOKENS} tokens in the engine's dtype)."),
         max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Override (default: the config's, `auto` resolved)."),
@@ -49,6 +50,15 @@ def register(bench_app: typer.Typer) -> None:
         from kvtier.tasks.chains import family as task_family
 
         from .goodput import load_tasks, plot as draw, run_goodput
+        from .goodput_load import plot_loads, run_goodput_loads
+
+        try:
+            loads = [int(c) for c in concurrency.split(",") if c.strip()]
+            if not loads or min(loads) < 1:
+                raise ValueError
+        except ValueError:
+            raise typer.BadParameter(f"{concurrency!r}: one or more positive integers, e.g. 32 or 1,4,16,64",
+                                     param_hint="--concurrency") from None
 
         fam = None
         if tasks == "reasoner":
@@ -79,7 +89,12 @@ def register(bench_app: typer.Typer) -> None:
             graded = load_tasks(tasks, problems, fam.name if fam else "chains")
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--tasks") from None
-        result = run_goodput(settings, cfg.model_dump(mode="json"), graded, chosen, runs, workdir, concurrency,
-                             max_tokens, seed, log=lambda m: typer.echo(m, err=True),
-                             family=fam.name if fam else None)
+        log = lambda m: typer.echo(m, err=True)  # noqa: E731
+        if len(loads) > 1:
+            result = run_goodput_loads(settings, cfg.model_dump(mode="json"), graded, chosen, runs, workdir, loads,
+                                       max_tokens, seed, log=log, family=fam.name if fam else None)
+            emit(result, out, plot, plot_loads)
+            return
+        result = run_goodput(settings, cfg.model_dump(mode="json"), graded, chosen, runs, workdir, loads[0],
+                             max_tokens, seed, log=log, family=fam.name if fam else None)
         emit(result, out, plot, draw)

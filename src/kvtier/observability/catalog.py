@@ -120,6 +120,16 @@ METRICS: tuple[Metric, ...] = (
     Metric("ray_kvtier_policy_failures_total", "counter", ("deployment",),
            "Eviction rounds whose policy raised; the request was compacted with random and finished with an "
            "error (the engine and the other requests keep running).", ENGINE, "rounds"),
+    Metric("ray_kvtier_elastic_tightenings_total", "counter", ("deployment", "reason"),
+           "Elastic requests tightened to their floor (engine/elastic.py). reason=preemption: this step's running "
+           "requests would not have fit, so each one is a preemption avoided; reason=admission: the next waiting "
+           "request would not have fit.", ENGINE, "requests"),
+    Metric("ray_kvtier_tokens_evicted_under_pressure_total", "counter", ("deployment",),
+           "KV entries per KV head the tightening rounds of elastic requests evicted (a tightening compacts a "
+           "full-attention cache to its floor's K + r at once).", ENGINE, "tokens"),
+    Metric("ray_kvtier_elastic_requests", "gauge", ("deployment", "state"),
+           "Elastic requests the engine holds, by state: full (still at full attention) or floor (tightened), as "
+           "of its latest step.", ENGINE, "requests"),
     Metric("ray_kvtier_eviction_round_seconds", "histogram", ("deployment",),
            "Wall time of one engine step's eviction work (policy + compaction of every due request).",
            ENGINE, "seconds"),

@@ -39,6 +39,9 @@ class EngineMetricsExporter:
         self.blocks_freed = catalog_metric(m, "ray_kvtier_kv_blocks_freed_total")
         self.preempted = catalog_metric(m, "ray_kvtier_preemptions_compressed_total")
         self.policy_failures = catalog_metric(m, "ray_kvtier_policy_failures_total")
+        self.tightenings = catalog_metric(m, "ray_kvtier_elastic_tightenings_total")
+        self.under_pressure = catalog_metric(m, "ray_kvtier_tokens_evicted_under_pressure_total")
+        self.elastic = catalog_metric(m, "ray_kvtier_elastic_requests")
         self.round_seconds = catalog_metric(m, "ray_kvtier_eviction_round_seconds",
                                             boundaries=ROUND_SECONDS_BOUNDARIES)
         self.blocks_free = catalog_metric(m, "ray_kvtier_kv_blocks_free")
@@ -68,6 +71,14 @@ class EngineMetricsExporter:
                 self.preempted.inc(d, tags=tags)
             if d := self._delta("policy_failures", eng.get("policy_failures", 0)):
                 self.policy_failures.inc(d, tags=tags)
+            for reason, n in eng.get("tightenings", {}).items():
+                if d := self._delta(f"tightenings/{reason}", n):
+                    self.tightenings.inc(d, tags={**tags, "reason": reason})
+            if d := self._delta("under_pressure", eng.get("tokens_evicted_under_pressure", 0)):
+                self.under_pressure.inc(d, tags=tags)
+            at_floor, total = eng.get("elastic_at_floor", 0), eng.get("elastic_requests", 0)
+            self.elastic.set(at_floor, tags={**tags, "state": "floor"})
+            self.elastic.set(total - at_floor, tags={**tags, "state": "full"})
         for ms in round_ms or ():
             self.round_seconds.observe(ms / 1e3, tags=tags)
         if pool is not None:

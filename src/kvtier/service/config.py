@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvtier.engine.config import FULL, EngineEvictionConfig, EvictionSettings, EvictionSpec
+from kvtier.engine.config import ELASTIC, FULL, EngineEvictionConfig, EvictionSettings, EvictionSpec
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 TINY_MODEL = "tiny"  # engines.<name>.model: build/use the deterministic tiny Qwen3 (kvtier.models.tiny)
@@ -87,7 +87,10 @@ class TierConfig(EvictionSettings):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     engine: str
-    budget: int | Literal["full"] = FULL
+    # K, "full", or "elastic": full attention while the engine has blocks, tightened to `floor` when it runs
+    # out (engine/elastic.py)
+    budget: int | Literal["full", "elastic"] = FULL
+    floor: int | None = Field(default=None, gt=0)   # K_min of an elastic tier
     auto: bool = True                               # the router may pick it; False: explicit requests only
     tenants: list[str] | Literal["*"] = "*"         # who may use it (tenant names), "*" = everyone
     description: str = ""
@@ -99,15 +102,45 @@ class TierConfig(EvictionSettings):
             raise ValueError("budget must be a positive number of KV entries per head, or 'full'")
         return v
 
+    @model_validator(mode="after")
+    def _elastic_floor(self):
+        if self.elastic and self.floor is None:
+            raise ValueError(f"tier {self.name!r}: budget 'elastic' needs `floor` (the smallest K a request may be "
+                             "tightened to)")
+        if not self.elastic and self.floor is not None:
+            raise ValueError(f"tier {self.name!r}: `floor` applies only to budget 'elastic' (budget is {self.budget!r})")
+        if self.elastic:
+            from kvtier.policies.base import ATTENTION, QUERIES
+
+            if reads := self.spec.make_policy().needs & {QUERIES, ATTENTION}:
+                raise ValueError(f"tier {self.name!r}: policy {self.policy!r} reads {sorted(reads)} from the start of a "
+                                 "request, which an elastic request (full attention until tightened) does not capture; "
+                                 "elastic is tested with policies that read keys or nothing (random, random_reserve)")
+            protected = self.spec.tightened().make_policy().protected_len(0)   # sinks / protect_prefix alone
+            if protected > self.floor:
+                raise ValueError(f"tier {self.name!r}: floor {self.floor} cannot hold the {protected} positions its "
+                                 "policy always protects (sinks / protect_prefix)")
+        return self
+
     @property
     def compressed(self) -> bool:
-        return self.budget != FULL
+        """A fixed budget K (not full attention, not elastic)."""
+        return isinstance(self.budget, int)
+
+    @property
+    def elastic(self) -> bool:
+        return self.budget == ELASTIC
+
+    @property
+    def bound_budget(self) -> int | None:
+        """The K that bounds a request's cache in this tier: the budget, an elastic tier's floor, None (full)."""
+        return self.budget if self.compressed else self.floor
 
     @property
     def spec(self) -> EvictionSpec:
-        """The request spec of this tier (budget 'full' -> None)."""
+        """The request spec of this tier (budget 'full' -> None; 'elastic' -> None with the floor)."""
         settings = {k: getattr(self, k) for k in EvictionSettings.model_fields}
-        return EvictionSpec(budget=self.budget if self.compressed else None, **settings)
+        return EvictionSpec(budget=self.budget if self.compressed else None, floor=self.floor, **settings)
 
     def extra_args(self) -> dict[str, Any]:
         """`vllm_xargs` for requests of this tier (OpenAI vllm_xargs carry str/int/float only)."""
@@ -129,6 +162,10 @@ class RoutingConfig(_Model):
     # Under KV pressure: "fallback" to the next smaller-budget tier that fits (queue if none),
     # or "queue" (send to the chosen tier anyway and let the engine queue it).
     on_pressure: Literal["fallback", "queue"] = "fallback"
+    # "headroom": the largest budget (full attention first) whose KV bound fits the engine's free blocks now,
+    # else the elastic tier (its floor); "cheapest-fit": the smallest budget that leaves min_trace_share of
+    # K for the trace (then `on_pressure`). service/routing.py has both rules.
+    rule: Literal["headroom", "cheapest-fit"] = "headroom"
     tier_header: str = "x-kvtier-tier"
     reason_header: str = "x-kvtier-reason"
 
@@ -215,6 +252,9 @@ class ServiceConfig(_Model):
                 raise ValueError(f"tier {t.name!r}: unknown tenants {bad}")
             if t.compressed and t.budget >= self.engines[t.engine].max_model_len:
                 raise ValueError(f"tier {t.name!r}: budget {t.budget} is not below the engine's max_model_len")
+            if t.elastic and t.floor >= self.engines[t.engine].max_model_len:
+                raise ValueError(f"tier {t.name!r}: floor {t.floor} is not below the engine's max_model_len "
+                                 f"{self.engines[t.engine].max_model_len}")
         for name, tenant in self.tenants.items():
             if tenant.tiers != "*" and (bad := sorted(set(tenant.tiers) - set(names))):
                 raise ValueError(f"tenant {name!r}: unknown tiers {bad}")

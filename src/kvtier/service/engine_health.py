@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any
 
 from .config import ServiceConfig
@@ -32,6 +33,9 @@ class EngineHealth:
         self.replica_loads: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in engines}
         self.state: dict[str, dict[str, Any]] = {name: {"healthy": True, "last_ok": time.time()} for name in engines}
         self.down = {name: asyncio.Event() for name in engines}   # set while an engine is not answering
+        # KV blocks of requests routed since the engine's last poll (their bound): the headroom rule reads
+        # free blocks net of them, so a burst between two polls does not all see the same free pool
+        self.debits: dict[str, int] = {}
 
     def start(self) -> asyncio.Task:
         """Poll every engine every `server.load_poll_s`, on the running loop."""
@@ -81,6 +85,27 @@ class EngineHealth:
                      replica_loads={r: {k: x.get(k) for k in REPLICA_FIELDS} for r, x in replicas.items()})
         self.down[name].clear()
         self.loads[name] = engine_load(agg)
+        self.on_polled(name)
+
+    # -- what the router has sent since the last poll (the headroom rule) ----------------------------------
+    def on_polled(self, name: str) -> None:
+        self.debits.pop(name, None)
+
+    def debit(self, decision, cfg: ServiceConfig) -> None:
+        """Count a routed request's KV bound against its engine's free blocks until the next poll."""
+        load = self.loads.get(decision.engine)
+        if load is None or load.block_size is None:
+            return
+        from .routing import RequestShape, blocks_needed
+
+        req = RequestShape(decision.prompt_tokens, decision.max_tokens)
+        need = blocks_needed(decision.tier, req, cfg.engines[decision.engine], load.block_size)
+        self.debits[decision.engine] = self.debits.get(decision.engine, 0) + need
+
+    def routing_loads(self) -> dict[str, EngineLoad]:
+        """The polled loads with each engine's free blocks less what was routed to it since."""
+        return {name: replace(load, free_blocks=load.free_blocks - self.debits.get(name, 0))
+                if load.free_blocks is not None else load for name, load in self.loads.items()}
 
     async def poll_forever(self) -> None:
         while True:

@@ -88,8 +88,10 @@ class KVTierRouter:
             else:
                 prompt_tokens = counter.completion(body.prompt)
                 max_tokens = body.max_tokens
-            return route(self.cfg, RequestShape(prompt_tokens, max_tokens, model, tier), tenant.tiers,
-                         self.engine_health.loads)
+            decision = route(self.cfg, RequestShape(prompt_tokens, max_tokens, model, tier), tenant.tiers,
+                             self.engine_health.routing_loads())
+            self.engine_health.debit(decision, self.cfg)
+            return decision
         except RouteError as exc:
             raise ServeError(exc.status, exc.message, exc.reason, exc.param) from None
         except (ValueError, TypeError, IndexError, KeyError) as exc:  # tokenizer / template rejects the input
@@ -192,7 +194,8 @@ class KVTierRouter:
             return error_response(401, exc.message, "unauthorized")
         cards = []
         for model in self.cfg.model_ids:
-            tiers = [{"name": t.name, "budget": t.budget, "policy": t.policy if t.compressed else None,
+            tiers = [{"name": t.name, "budget": t.budget, **({"floor": t.floor} if t.elastic else {}),
+                      "policy": t.policy if t.compressed or t.elastic else None,
                       "auto": t.auto, "description": t.description}
                      for t in self.cfg.tiers if self.cfg.model_id(t.engine) == model and t.name in tenant.tiers]
             cards.append(ModelCard(id=model, tiers=tiers))

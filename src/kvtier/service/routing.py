@@ -1,7 +1,17 @@
 """The tier routing rule (pure: no Ray, no vLLM, no I/O).
 
 Given a request's shape (prompt tokens, max_tokens, model, an optional explicit tier), the tiers the
-caller may use and the engines' current load, pick a tier and say why:
+caller may use and the engines' current load, pick a tier and say why. `routing.rule: headroom` (the
+default) is `headroom` below; `cheapest-fit` is steps 2-3:
+
+0. Headroom (auto routing): the largest budget whose KV bound fits the engine's free blocks now (its
+   polled free blocks less what the router has sent it since, `EngineLoad.free_blocks`), full attention
+   first, then fixed compressed tiers by budget (each only for prompts it takes, step 2's trace share);
+   reason `headroom`. Nothing fits (or the engine already queues): the elastic tier, which runs at full
+   attention until the engine needs its blocks and then at its floor (reason `headroom-floor`); without
+   one, the smallest fixed budget that takes the prompt, queued there (`headroom-queued`). Before the first
+   load poll the free blocks are unknown: the bound is taken to fit. Elastic tiers are never picked by
+   cheapest-fit, and are always available explicitly.
 
 1. Explicit tier (body field `tier` or header `x-kvtier-tier`): used if it exists, serves the model and
    the caller may use it (else 404 / 403). Reason `explicit`. No pressure fallback: the caller insisted.
@@ -27,11 +37,12 @@ Rejections carry an HTTP status and a stable reason code (also the metrics label
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import EngineConfig, PressureConfig, ServiceConfig, TierConfig
 
-REASONS = ("explicit", "short", "cheapest-fit", "long-prompt", "no-compressed-fit", "pressure-fallback", "pressure-queued")
+REASONS = ("explicit", "short", "cheapest-fit", "long-prompt", "no-compressed-fit", "pressure-fallback", "pressure-queued",
+           "headroom", "headroom-floor", "headroom-queued")
 
 
 class RouteError(Exception):
@@ -53,6 +64,8 @@ class EngineLoad:
     kv_usage: float = 0.0           # 0..1 share of the KV pool in use (all replicas' pools together)
     waiting: float = 0              # requests queued in the scheduler (per replica, on average)
     running: int = 0
+    free_blocks: int | None = None  # the most free KV blocks of one replica (what one request can use); None: unknown
+    block_size: int | None = None
 
     def pressured(self, p: PressureConfig) -> bool:
         return self.kv_usage >= p.kv_usage or self.waiting >= max(p.queue_depth, 1)
@@ -72,6 +85,7 @@ def aggregate_loads(replicas: dict[str, dict]) -> dict:
         "replicas": len(loads), "running": sum(int(x.get("running", 0)) for x in loads), "waiting": waiting,
         "waiting_per_replica": waiting / len(loads) if loads else 0.0,
         "total_blocks": total, "free_blocks": free, "kv_usage": (total - free) / total if total else 0.0,
+        "max_free_blocks": max((int(x.get("free_blocks", 0)) for x in loads), default=0),
         "in_flight": sum(int(x.get("in_flight") or 0) for x in loads),
         "preemptions": sum(int(x.get("preemptions") or 0) for x in loads),
         "block_size": loads[0].get("block_size") if loads else None,
@@ -81,7 +95,8 @@ def aggregate_loads(replicas: dict[str, dict]) -> dict:
 
 def engine_load(aggregate: dict) -> EngineLoad:
     return EngineLoad(kv_usage=aggregate["kv_usage"], waiting=aggregate["waiting_per_replica"],
-                      running=aggregate["running"])
+                      running=aggregate["running"], free_blocks=aggregate.get("max_free_blocks"),
+                      block_size=aggregate.get("block_size"))
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,7 @@ class Decision:
     detail: str
     model: str
     max_tokens: int | None
+    prompt_tokens: int = 0
 
     @property
     def engine(self) -> str:
@@ -104,14 +120,14 @@ def _total(req: RequestShape, eng: EngineConfig) -> int:
 def kv_bound(tier: TierConfig, req: RequestShape, eng: EngineConfig) -> int:
     """KV entries per head this request can ever hold in the tier (cache <= max(prompt, K + 2r))."""
     total = _total(req, eng)
-    if not tier.compressed:
+    if tier.bound_budget is None:
         return total
-    return min(total, max(req.prompt_tokens, tier.budget + 2 * tier.buffer))
+    return min(total, max(req.prompt_tokens, tier.bound_budget + 2 * tier.buffer))
 
 
 def prompt_room(tier: TierConfig, share: float) -> int:
-    """Longest prompt a compressed tier takes under the trace-share rule."""
-    return int((1.0 - share) * tier.budget)
+    """Longest prompt a compressed (or elastic: its floor) tier takes under the trace-share rule."""
+    return int((1.0 - share) * tier.bound_budget)
 
 
 def resolve_model(cfg: ServiceConfig, model: str | None) -> str:
@@ -127,7 +143,11 @@ def resolve_model(cfg: ServiceConfig, model: str | None) -> str:
 
 def route(cfg: ServiceConfig, req: RequestShape, allowed: set[str] | frozenset[str],
           loads: dict[str, EngineLoad] | None = None) -> Decision:
-    loads = loads or {}
+    return replace(_route(cfg, req, allowed, loads or {}), prompt_tokens=req.prompt_tokens)
+
+
+def _route(cfg: ServiceConfig, req: RequestShape, allowed: set[str] | frozenset[str],
+           loads: dict[str, EngineLoad]) -> Decision:
     model = resolve_model(cfg, req.model)
     if req.prompt_tokens < 1:
         raise RouteError(400, "empty-prompt", "the prompt is empty", "prompt")
@@ -170,7 +190,10 @@ def route(cfg: ServiceConfig, req: RequestShape, allowed: set[str] | frozenset[s
     share = cfg.routing.min_trace_share
     compressed = sorted((t for t in usable if t.compressed), key=lambda t: t.budget)
     fitting = [t for t in compressed if req.prompt_tokens <= prompt_room(t, share)]
-    full = [t for t in usable if not t.compressed]
+    full = [t for t in usable if not t.compressed and not t.elastic]
+    if cfg.routing.rule == "headroom":
+        elastic = [t for t in usable if t.elastic and req.prompt_tokens <= prompt_room(t, share)]
+        return headroom(cfg, req, model, full + fitting[::-1], elastic, loads)
     total = lambda t: _total(req, cfg.engines[t.engine])  # noqa: E731
 
     if fitting:
@@ -197,6 +220,35 @@ def route(cfg: ServiceConfig, req: RequestShape, allowed: set[str] | frozenset[s
 
     # 3. KV pressure
     return _under_pressure(cfg, req, decision, compressed, loads)
+
+
+def blocks_needed(tier: TierConfig, req: RequestShape, eng: EngineConfig, block_size: int) -> int:
+    return -(-kv_bound(tier, req, eng) // block_size)
+
+
+def headroom(cfg: ServiceConfig, req: RequestShape, model: str, largest_first: list[TierConfig],
+             elastic: list[TierConfig], loads: dict[str, EngineLoad]) -> Decision:
+    """Rule 0 (module docstring): `largest_first` = full-attention tiers, then fixed budgets, largest first,
+    each taking the prompt; `elastic` = the elastic tiers that take it."""
+    for t in largest_first:
+        load = loads.get(t.engine)
+        if load is None or load.free_blocks is None or load.block_size is None:
+            return Decision(t, "headroom", f"engine {t.engine}'s free KV not known yet: {t.name}", model, req.max_tokens)
+        need = blocks_needed(t, req, cfg.engines[t.engine], load.block_size)
+        if load.waiting < 1 and need <= load.free_blocks:
+            return Decision(t, "headroom", f"{t.name}'s KV bound ({need} blocks) fits the {load.free_blocks} free "
+                            f"blocks of engine {t.engine}", model, req.max_tokens)
+    why = "no tier's KV bound fits the engine's free blocks" if largest_first else "no tier takes the prompt"
+    if elastic:
+        t = elastic[0]
+        return Decision(t, "headroom-floor", f"{why}: {t.name} (full attention while blocks last, then K={t.floor})",
+                        model, req.max_tokens)
+    fixed = [t for t in largest_first if t.compressed]
+    if fixed or largest_first:
+        t = (fixed or largest_first)[-1]
+        return Decision(t, "headroom-queued", f"{why}: queued on {t.name}", model, req.max_tokens)
+    raise RouteError(400, "prompt-too-long", f"the prompt has {req.prompt_tokens} tokens; no tier you may use takes "
+                     f"it with {cfg.routing.min_trace_share:.0%} of its budget left for the trace", "prompt")
 
 
 def _under_pressure(cfg: ServiceConfig, req: RequestShape, decision: Decision, compressed: list[TierConfig],

@@ -116,7 +116,8 @@ def serve_command(
 
     measured = tier_lines(cfg)
     for t in cfg.tiers:
-        budget = "full attention" if not t.compressed else f"K={t.budget} r={t.buffer} policy={t.policy}"
+        budget = (f"K={t.budget} r={t.buffer} policy={t.policy}" if t.compressed else f"elastic: full attention, "
+                  f"floor K={t.floor} r={t.buffer} policy={t.policy} when blocks run out" if t.elastic else "full attention")
         typer.echo(f"  tier {t.name:<12} engine {t.engine:<10} {budget}{'' if t.auto else ' (explicit only)'}")
         if t.name in measured:
             typer.echo(f"       measured: {measured[t.name]}")

@@ -63,17 +63,18 @@ def auto_max_num_seqs(cfg: ServiceConfig, engine: str, model_path: str) -> tuple
     divide here: vLLM 0.31's default, 1024 on GPUs of 70 GiB or more such as H100 and H200, is above what
     their pools hold at any compressed tier (docs/deploy.md "KV capacity per GPU"), so memory binds anyway."""
     eng = cfg.engines[engine]
-    tiers = sorted((t for t in cfg.tiers if t.engine == engine and t.compressed and t.auto), key=lambda t: t.budget)
+    tiers = sorted((t for t in cfg.tiers if t.engine == engine and t.bound_budget and t.auto), key=lambda t: t.bound_budget)
     if eng.kv_cache_bytes is None or not tiers:
         return None, "vLLM's default (no kv_cache_bytes or no compressed auto tier to size from)"
     block = block_size(eng)
     total_blocks = pool_blocks(eng, model_path, eng.kv_cache_bytes)
     t = tiers[0]
-    bound = int((1.0 - cfg.routing.min_trace_share) * t.budget) + t.budget + 2 * t.buffer
+    k = t.bound_budget
+    bound = int((1.0 - cfg.routing.min_trace_share) * k) + k + 2 * t.buffer
     per_request = math.ceil(bound / block)
     seqs = max(1, min(MAX_AUTO_SEQS, total_blocks // per_request))
     return seqs, (f"{total_blocks} blocks of {block} tokens / {per_request} per {t.name} request "
-                  f"(prompt <= {bound - t.budget - 2 * t.buffer} + K {t.budget} + 2r {2 * t.buffer})"
+                  f"(prompt <= {bound - k - 2 * t.buffer} + K {k} + 2r {2 * t.buffer})"
                   + (f", capped at {MAX_AUTO_SEQS}" if seqs == MAX_AUTO_SEQS else ""))
 
 

@@ -34,8 +34,11 @@ def tier_lines(cfg, results: Path = RESULTS) -> dict[str, str]:
         kv = data["settings"].get("kv_cache_bytes")
         workload = ", ".join(x for x in (f"{kv >> 20} MiB KV" if kv else "",
                                          f"concurrency {data['concurrency']}" if data.get("concurrency") else "") if x)
+        rule = data.get("routing_rule")
         for name, a in arms.items():
             acc = ", ".join(f"{k} {v:.2f}" for k, v in sorted(a["accuracy"].items()))
+            if name == "auto" and rule != cfg.routing.rule:     # measured under another routing rule
+                acc = f"under routing rule {rule or 'cheapest-fit'} (this config: {cfg.routing.rule}): {acc}"
             rel = f", {a['correct_per_s'] / full:.2f}x full attention's correct answers/s" if full else ""
             stock = a.get("correct_per_s_ratio_to_stock")
             out[name] = (f"accuracy {acc}{rel}" + (f" ({stock:.2f}x stock vLLM)" if stock is not None else "")
@@ -48,7 +51,8 @@ def markdown(cfg, results: Path = RESULTS) -> str:
     lines = tier_lines(cfg, results)
     rows = ["| tier | budget | measured (kvtier bench goodput) |", "| --- | --- | --- |"]
     for t in cfg.tiers:
-        budget = "full attention" if not t.compressed else f"K={t.budget} r={t.buffer} {t.policy}"
+        budget = (f"K={t.budget} r={t.buffer} {t.policy}" if t.compressed else
+                  f"elastic, floor K={t.floor} r={t.buffer} {t.policy}" if t.elastic else "full attention")
         rows.append(f"| `{t.name}` | {budget} | {lines.get(t.name, 'not measured')} |")
     rows.append(f"| `auto` | kvtier's routing | {lines.get('auto', 'not measured')} |")
     return "\n".join(rows) + "\n"
