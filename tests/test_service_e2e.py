@@ -34,6 +34,8 @@ CONFIG = {
         {"name": "k64", "engine": "cpu", "budget": 64, "buffer": 16},     # K + r = 80, takes prompts <= 32
         {"name": "k256", "engine": "cpu", "budget": 256, "buffer": 32},   # K + r = 288, takes prompts <= 128
         {"name": "vip", "engine": "cpu", "budget": 512, "auto": False, "tenants": ["bob"]},
+        # full attention until the pool runs short, then K=64 (explicit here: cheapest-fit never picks it)
+        {"name": "elastic", "engine": "cpu", "budget": "elastic", "floor": 64, "buffer": 16, "tenants": ["bob"]},
     ],
     "tenants": {"alice": {"api_keys": [ALICE], "tiers": ["full", "k64", "k256"]}, "bob": {"api_keys": [BOB]}},
 }
@@ -206,6 +208,18 @@ def test_bad_input_gets_4xx_with_a_message(http, what, path, body, status):
     assert r.status_code == status, (what, r.status_code, r.text[:500])
     err = r.json()["error"]
     assert err["message"] and err["type"], r.text
+
+
+def test_an_elastic_tier_serves_at_full_attention_when_memory_is_free(http):
+    bob = {"Authorization": f"Bearer {BOB}", "x-kvtier-tier": "elastic"}
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": SHORT, "max_tokens": 40, **NO_EOS}, headers=bob)
+    assert r.status_code == 200 and r.headers["x-kvtier-tier"] == "elastic", r.text[:300]
+    assert r.json()["usage"]["completion_tokens"] == 40
+    # its floor (64) cannot hold a ~200-token protected prompt: a 400 naming the limit, the engine unharmed
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "seven " * 200, "max_tokens": 4}, headers=bob)
+    assert r.status_code == 400 and "budget=64" in r.json()["error"]["message"], r.text[:500]
+    ev = http.get("/v1/kvtier/stats", params={"eviction": "true"}).json()["engines"]["cpu"]["eviction"]
+    assert not ev.get("tightenings")                     # an idle pool: nothing was tightened
 
 
 def test_engine_keeps_serving_after_bad_input(client, http):

@@ -563,3 +563,30 @@ def test_router_debits_what_it_routed_until_the_next_poll():
     health.loads["cpu"] = free(30)["cpu"]                      # a fresh poll: the debits are spent
     health.on_polled("cpu")
     assert route(cfg, RequestShape(100, 3000), allowed, health.routing_loads()).tier.name == "full"
+
+
+# -- the replica with the most free KV (replica_router.py, Serve's request-router extension point) ---------
+def test_generations_go_to_the_replica_with_the_most_free_kv():
+    from types import SimpleNamespace as NS
+
+    from kvtier.service.replica_router import rank_by_free_kv
+
+    a, b, c, new = (NS(name=n, routing_stats=s) for n, s in
+                    [("a", {"free_blocks": 3}), ("b", {"free_blocks": 40}), ("c", {"free_blocks": 12}), ("new", {})])
+    names = lambda ranks: [[r.name for r in rank] for rank in ranks]  # noqa: E731
+    assert names(rank_by_free_kv([a, b, c], "kvtier_generate")) == [["b"], ["c"], ["a"]]
+    assert names(rank_by_free_kv([a, b, new], "kvtier_generate"))[0] == ["new"]    # not reported yet: room
+    assert names(rank_by_free_kv([a, b, c], "kvtier_load")) == [["a", "b", "c"]]    # polls reach every replica
+    assert names(rank_by_free_kv([a], "kvtier_generate")) == [["a"]]
+
+
+def test_engine_deployments_use_the_free_kv_router():
+    from kvtier.service.app import llm_config
+
+    cfg = load_config(CONFIGS / "local.yaml")
+    llm = llm_config("cpu", cfg.engines["cpu"], "m", "/nonexistent/model")
+    router = llm.deployment_config["request_router_config"]
+    assert router["request_router_class"] == "kvtier.service.replica_router:MostFreeKVRouter"
+    from ray.serve.config import RequestRouterConfig
+
+    RequestRouterConfig(**router)            # Serve accepts it

@@ -63,6 +63,11 @@ def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, loc
     deployment = dict(eng.deployment)
     # The router polls kvtier_load every second: keep those calls out of the replica's access log.
     deployment.setdefault("logging_config", {"enable_access_log": False})
+    # Generations go to the replica with the most free KV blocks (replica_router.py), which each replica
+    # reports every second through Serve's routing stats
+    deployment.setdefault("request_router_config", {
+        "request_router_class": "kvtier.service.replica_router:MostFreeKVRouter",
+        "request_routing_stats_period_s": 1.0, "request_routing_stats_timeout_s": 5.0})
     return LLMConfig(
         model_loading_config={"model_id": model_id, "model_source": model_path},
         engine_kwargs=kwargs,

@@ -193,6 +193,14 @@ class KVTierLLMServer(LLMServer):
         if self.engine is not None and getattr(self.engine, "errored", False):
             raise RuntimeError("kvtier: the vLLM engine of this replica has errored; Serve replaces the replica")
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve's per-replica routing stats: what replica_router.MostFreeKVRouter ranks replicas by."""
+        if self.engine is None:
+            return {}
+        load = self.engine.load()
+        return {"free_blocks": load["free_blocks"], "total_blocks": load["total_blocks"],
+                "waiting": load["waiting"]}
+
     async def kvtier_load(self) -> dict[str, Any]:
         load = self.engine.load()
         load["replica"] = self._replica_id()
