@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["REASONER_DIR", "REASONER_EVICT_DIR", "REASONER_CONFIG", "SHIPPED", "VOCAB_SIZE",
+__all__ = ["REASONER_DIR", "REASONER_EVICT_DIR", "REASONER_CONFIG", "SHAPES", "SHIPPED", "VOCAB_SIZE",
            "build_reasoner_tokenizer", "reasoner_config", "reasoner_dir"]
 
 REASONER_DIR = Path(__file__).resolve().parent / "reasoner"
@@ -45,6 +45,21 @@ REASONER_CONFIG = dict(
     use_sliding_window=False,
     rope_theta=10000.0,
 )
+
+
+# Model shapes `train-reasoner --shape` builds (issue #36). `base`: the shipped reasoners'. The long-chain
+# reasoner's two: both hold chains-long's sequences (up to 3,943 tokens) in 4,096 positions.
+# * long-2kv: base with the positions, 2 KV heads of 64 (1,024 K+V values per token over 4 layers).
+# * long-8kv: 8 KV heads per layer, as real models (Qwen3-4B) have: 8 query heads of 32, head_dim 32 the
+#   smallest vLLM's CPU attention takes (its supported head sizes start at 32), so 2,048 K+V values per token
+#   (2x long-2kv: at head_dim 32 nothing closer fits 8 heads). K/V projections grow by 2 x 128 x 128 per layer;
+#   the MLP is trimmed from 512 to 432 so the parameters stay within 1% of long-2kv (1.18 M).
+SHAPES = {
+    "base": REASONER_CONFIG,
+    "long-2kv": {**REASONER_CONFIG, "max_position_embeddings": 4096},
+    "long-8kv": {**REASONER_CONFIG, "max_position_embeddings": 4096, "num_attention_heads": 8,
+                 "num_key_value_heads": 8, "head_dim": 32, "intermediate_size": 432},
+}
 
 
 def reasoner_dir() -> Path:
@@ -78,10 +93,18 @@ def build_reasoner_tokenizer():
         padding_side="left")
 
 
-def reasoner_config():
-    """The Qwen3Config of the reasoner (fp32 for training; the shipped weights are bf16)."""
+def reasoner_config(shape: str = "base", like=None):
+    """The Qwen3Config of the reasoner (fp32 for training; the shipped weights are bf16): a shape of SHAPES,
+    or the shape of `like` (a model's config: a continued training keeps its model's shape)."""
     from transformers import Qwen3Config
 
-    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=1, pad_token_id=0, **REASONER_CONFIG)
+    if shape not in SHAPES:
+        raise ValueError(f"unknown reasoner shape {shape!r}; known: {', '.join(SHAPES)}")
+    fields = SHAPES[shape]
+    if like is not None:    # transformers 5 keeps rope_theta inside rope_parameters
+        rope = (getattr(like, "rope_parameters", None) or {}).get("rope_theta")
+        fields = {k: getattr(like, k) if hasattr(like, k) else rope if k == "rope_theta" else v
+                  for k, v in REASONER_CONFIG.items()}
+    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=1, pad_token_id=0, **fields)
     cfg.architectures = ["Qwen3ForCausalLM"]
     return cfg

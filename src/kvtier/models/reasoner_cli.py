@@ -30,6 +30,8 @@ def register(model_app: typer.Typer) -> None:
                                   "elsewhere (torch emulates bf16 there). TRAINING.json records the resolved dtype, "
                                   "why, and the steps per second."),
         family: str = typer.Option(d.family, help=f"Task family: {', '.join(FAMILIES)} (kvtier.tasks.chains)."),
+        shape: str = typer.Option(d.shape, help="Model shape (kvtier.models.reasoner.SHAPES): base (the shipped "
+                                  "reasoners'), long-2kv, long-8kv (4,096 positions; 2 or 8 KV heads per layer)."),
         init_from: str = typer.Option(d.init_from, help="Continue from this trained model directory (a second phase)."),
         short_batch: int = typer.Option(d.short_batch, help="Extra short local chains per step (12-40 lines)."),
         warmup: int = typer.Option(d.warmup),
@@ -47,10 +49,14 @@ def register(model_app: typer.Typer) -> None:
             task_family(family)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--family") from None
+        from .reasoner import SHAPES
+
+        if shape not in SHAPES:
+            raise typer.BadParameter(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}", param_hint="--shape")
         from .reasoner_train import train
 
         rec = train(TrainConfig(steps=steps, seed=seed, batch=batch, lr=lr, threads=threads,
-                                dtype=dtype, family=family, init_from=init_from, short_batch=short_batch, warmup=warmup,
+                                dtype=dtype, family=family, shape=shape, init_from=init_from, short_batch=short_batch, warmup=warmup,
                                 answer_weight=answer_weight, evict=evict, full_share=full_share), out,
                     log=lambda s: typer.echo(s))
         typer.echo(json.dumps({k: v for k, v in rec.items() if k != "loss_curve"}, indent=1))

@@ -66,6 +66,7 @@ class TrainConfig:
     evict: str = ""                # "POLICY:K[,K...][:r]": train under simulated eviction (train_eviction.py)
     full_share: float = 0.25       # with evict: the share of samples under full attention
     family: str = rt.DEFAULT_FAMILY  # the task family (kvtier.tasks.chains.FAMILIES)
+    shape: str = "base"            # the model's shape (reasoner.SHAPES); with init_from, the model's own
 
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -96,6 +97,7 @@ def _saved_config(saved: dict) -> dict:
     if "bf16" in saved:
         saved["dtype"] = "bfloat16" if saved.pop("bf16") else "float32"
     saved.setdefault("family", rt.DEFAULT_FAMILY)
+    saved.setdefault("shape", "base")
     return saved
 
 
@@ -186,13 +188,14 @@ def teacher_forced_accuracy(model, tok, problems, mix: EvictMix | None = None, b
 
 
 def _save_hf(model, tok, out: Path) -> str:
-    """Write config, generation config, bf16 safetensors and tokenizer; returns the weights' sha256."""
+    """Write config (the model's shape), generation config, bf16 safetensors and tokenizer; returns the
+    weights' sha256."""
     import torch
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
-    cfg = reasoner_config()
+    cfg = reasoner_config(like=model.config)
     cfg.dtype = "bfloat16"
     cfg.save_pretrained(str(out))
     GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=0).save_pretrained(str(out))
@@ -252,14 +255,16 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     if cfg.init_from:
         model = Qwen3ForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, attn_implementation=attn)
     else:
-        mcfg = reasoner_config()
+        mcfg = reasoner_config(cfg.shape)
         mcfg._attn_implementation = attn
         model = Qwen3ForCausalLM(mcfg)
     positions = model.config.max_position_embeddings
+    tok.model_max_length = positions
     if longest_sequence(fam) > positions:
         raise ValueError(f"task family {fam.name} has sequences of up to {longest_sequence(fam)} tokens; the model "
-                         f"has max_position_embeddings {positions} (REASONER_CONFIG in src/kvtier/models/reasoner.py"
-                         f"{', or --init-from' if cfg.init_from else ''}): train a model with more positions")
+                         f"has max_position_embeddings {positions} (--shape {cfg.shape}; SHAPES in "
+                         f"src/kvtier/models/reasoner.py{', or --init-from' if cfg.init_from else ''}): train a "
+                         "shape with more positions (long-2kv, long-8kv)")
     log(f"dtype {dtype} ({dtype_reason})")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
     exclude = held_out_keys(family=fam.name)
