@@ -38,3 +38,15 @@ def test_the_service_readme_table_is_rendered_from_the_committed_results(tmp_pat
     assert not render_into(copy), "run: python -m kvtier.service.tier_report src/kvtier/service/README.md"
     block = readme.read_text().split(BEGIN, 1)[1].split(END, 1)[0]
     assert block.strip() == markdown(load_config(DEMO_CONFIG)).strip()
+
+
+def test_a_load_sweep_is_not_a_tiers_figure(tmp_path):
+    """results/goodput-load-*.json (`--concurrency 1,4,16,64`) has `loads`, not `arms`: the banner keeps
+    reading the newest single-load result."""
+    from kvtier.service.tier_report import newest_goodput
+
+    single = {"arms": {"full": {}}, "settings": {"model_id": "m"}}
+    (tmp_path / "goodput-cpu-2026-12-03.json").write_text(json.dumps(single))
+    (tmp_path / "goodput-load-cpu-2026-12-03.json").write_text(json.dumps({"loads": {}, "settings": {"model_id": "m"}}))
+    (tmp_path / "goodput-cpu-2026-12-01.json").write_text(json.dumps(single))
+    assert newest_goodput("m", tmp_path)[0].name == "goodput-cpu-2026-12-03.json"

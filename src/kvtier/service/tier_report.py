@@ -13,10 +13,11 @@ RESULTS = Path(__file__).resolve().parents[3] / "results"
 
 
 def newest_goodput(model_id: str, results: Path = RESULTS) -> tuple[Path, dict] | None:
-    """(path, JSON) of the newest goodput result measured on `model_id` (by file name: the date)."""
-    for path in sorted(results.glob("goodput-*.json"), reverse=True):
+    """(path, JSON) of the newest single-load goodput result measured on `model_id` (by file name: the date;
+    a load sweep, `loads` instead of `arms`, is not a tier's one figure)."""
+    for path in sorted(results.glob("goodput-*.json"), key=lambda p: p.name.rsplit("-cpu-", 1)[-1], reverse=True):
         data = json.loads(path.read_text())
-        if data.get("settings", {}).get("model_id") == model_id:
+        if "arms" in data and data.get("settings", {}).get("model_id") == model_id:
             return path, data
     return None
 
