@@ -39,12 +39,13 @@ def config() -> dict:
         "server": {"load_poll_s": 0.5, "request_timeout_s": 300, "num_cpus": 4},
         "routing": {"on_pressure": "fallback"},
         "engines": {"cpu": {
-            "model": "tiny", "model_id": MODEL, "max_model_len": 1024, "kv_cache_bytes": "6MiB",
-            "engine_kwargs": {"max_num_seqs": 8, "enforce_eager": True},
+            # float32 on every machine (dtype auto would pick by CPU): 12 MiB = 24 blocks of 4 KiB tokens
+            "model": "tiny", "model_id": MODEL, "max_model_len": 1024, "kv_cache_bytes": "12MiB",
+            "engine_kwargs": {"max_num_seqs": 8, "enforce_eager": True, "dtype": "float32"},
             "pressure": {"kv_usage": 1.0, "queue_depth": 64},
         }, "premium": {   # configs/gpu.yaml's shape: a second engine deployment of the same model id
-            "model": "tiny", "model_id": MODEL, "max_model_len": 256, "kv_cache_bytes": "1MiB",
-            "engine_kwargs": {"max_num_seqs": 2, "enforce_eager": True},
+            "model": "tiny", "model_id": MODEL, "max_model_len": 256, "kv_cache_bytes": "2MiB",
+            "engine_kwargs": {"max_num_seqs": 2, "enforce_eager": True, "dtype": "float32"},
         }},
         "tiers": [
             {"name": "full", "engine": "cpu", "budget": "full"},
