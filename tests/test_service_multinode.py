@@ -87,7 +87,11 @@ def test_engines_run_on_the_worker_node(cluster, tmp_path):
         print(f"\n[two-node service ready after {svc.ready_after:.0f} s]")
         assert "OPEN MODE" in svc.log()
         client = openai.OpenAI(base_url=svc.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        raw = client.completions.with_raw_response.create(model="tiny", prompt="Hello world", max_tokens=200)
+        # idle: the headroom rule (the default) gives full attention; the compressed tier runs when asked
+        raw = client.completions.with_raw_response.create(model="tiny", prompt="Hello world", max_tokens=8)
+        assert (raw.headers["x-kvtier-tier"], raw.headers["x-kvtier-reason"]) == ("full", "headroom")
+        raw = client.completions.with_raw_response.create(model="tiny", prompt="Hello world", max_tokens=200,
+                                                          extra_body={"tier": "k128"})
         assert raw.headers["x-kvtier-tier"] == "k128" and raw.parse().usage.completion_tokens == 200
         chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                      max_tokens=6, stream=True))
