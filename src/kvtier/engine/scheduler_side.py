@@ -58,6 +58,7 @@ class RequestEviction:
     offset: int = 0          # logical length - physical length
     rounds: int = 0
     compacted: bool = False  # a round ran since the cache was last (re)built chronologically
+    floor_spec: EvictionSpec | None = None   # an elastic request's spec at its floor (built once, at add)
 
     @property
     def loose(self) -> bool:
@@ -91,10 +92,12 @@ class SchedulerEviction:
             cache_cap, read_cap = prefix_cache_caps(spec, request.num_prompt_tokens, self.block_size)
             # an elastic request's bound is its floor's: what reserve admission counts, since it can be
             # tightened there whenever the blocks are needed
-            bound = spec.tightened() if spec.elastic else spec
+            floor_spec = spec.tightened() if spec.elastic else None
+            bound = floor_spec or spec
             self.states[request.request_id] = RequestEviction(
                 spec, request.num_prompt_tokens,
-                bound.max_blocks(request.num_prompt_tokens, max_tokens, self.block_size), cache_cap, read_cap)
+                bound.max_blocks(request.num_prompt_tokens, max_tokens, self.block_size), cache_cap, read_cap,
+                floor_spec=floor_spec)
             if read_cap == 0:
                 compat.skip_prefix_cache_reads(request)   # vLLM's own per-request skip (no hit, no query counted)
 
@@ -135,28 +138,31 @@ class SchedulerEviction:
         cache once) plus what running requests may still grow by (compressed: up to their bound; full
         attention: one block)."""
         growth = 0
+        loose = {}
         for request in scheduler.running:
             rid = request.request_id
             st = self.states.get(rid)
             if st is None:
                 growth += 1
                 continue
+            if st.loose:
+                loose[rid] = request
             growth += self._plan_one(scheduler, request, st)
-        self.relieve(scheduler)
-        # blocks loose elastic requests hold past their floor's bound are theirs only until needed
-        reclaimable = sum(max(0, len(compat.request_blocks(scheduler, r.request_id)) - self.states[r.request_id].max_blocks)
-                          for r in scheduler.running if r.request_id in self.states and self.states[r.request_id].loose)
+        reclaimable = 0
+        if loose:
+            self.relieve(scheduler, loose)
+            # blocks loose elastic requests hold past their floor's bound are theirs only until needed
+            reclaimable = sum(max(0, len(compat.request_blocks(scheduler, rid)) - self.states[rid].max_blocks)
+                              for rid in loose if self.states[rid].loose)
         free, _usable = compat.pool_counts(scheduler)
         self.reserved_blocks = self.pool_blocks - free + growth - reclaimable
 
     # -- elastic budgets (engine/elastic.py) ---------------------------------------------------------
-    def relieve(self, scheduler) -> None:
-        """Tighten running elastic requests to their floors where this step's blocks would not fit: first
-        for the running requests' next tokens (vLLM would preempt), then for the next waiting request's
-        prompt when a seat is free (only if tightening can make it fit)."""
-        loose = {r.request_id: r for r in scheduler.running if r.request_id in self.states and self.states[r.request_id].loose}
-        if not loose:
-            return
+    def relieve(self, scheduler, loose: dict) -> None:
+        """Tighten running elastic requests (`loose`: those still at full attention, by id) to their floors
+        where this step's blocks would not fit: first for the running requests' next tokens (vLLM would
+        preempt), then for the next waiting request's prompt when a seat is free (only if tightening can
+        make it fit)."""
         bs = self.block_size
         tokens, seats = compat.step_limits(scheduler)
         needs = {}
@@ -189,7 +195,7 @@ class SchedulerEviction:
         st = self.states[rid]
         if rid in self.pending or rid in self.failed or not compat.is_plain_decode(request):
             return None
-        sched = st.spec.tightened().schedule()
+        sched = st.floor_spec.schedule()
         if request.num_computed_tokens - st.offset < sched.max_cached:
             return None
         return Candidate(rid, len(compat.request_blocks(scheduler, rid)) + need,
@@ -199,7 +205,7 @@ class SchedulerEviction:
         """Set the request's budget to its floor and run its round now; the blocks it freed."""
         st = self.states[request.request_id]
         before = len(compat.request_blocks(scheduler, request.request_id))
-        st.spec = st.spec.tightened()
+        st.spec = st.floor_spec
         self._compact_if_due(scheduler, request, st)
         self.tightenings[why] = self.tightenings.get(why, 0) + 1
         return before - len(compat.request_blocks(scheduler, request.request_id))
