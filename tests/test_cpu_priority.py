@@ -2,7 +2,8 @@
 
 The tree (children of this test process): a plain process (lowered), a process titled like vLLM's engine
 core with a child (neither lowered: the whole subtree is the engine's), one titled like an engine replica
-named in `skip` (not lowered), an untitled Ray worker (not lowered), and a process named `raylet` with a
+named in `skip` (not lowered), a process started with the engine replica's NICE_ENV whatever its title (not
+lowered by the keeper: a replica between titles), an untitled Ray worker (not lowered), and a process named `raylet` with a
 child (the raylet kept, since workers inherit its nice value; its child lowered). Each names a Ray
 session directory on its command line, as Ray's daemons do, except one more child that is not Ray's (not
 lowered when the session is given). This process itself is never touched with include_self=False."""
@@ -18,7 +19,7 @@ import pytest
 
 psutil = pytest.importorskip("psutil")
 
-from kvtier.service.cpu_priority import PriorityKeeper, lower_serving_priority, replica_titles  # noqa: E402
+from kvtier.service.cpu_priority import NICE_ENV, PriorityKeeper, lower_serving_priority, replica_titles  # noqa: E402
 from service_helpers import thread_nices  # noqa: E402
 
 SLEEP = "import time; time.sleep(120)"
@@ -43,6 +44,7 @@ def test_keeper_lowers_serving_processes_but_never_the_engines_subtree(tmp_path)
         "plain": ([sys.executable, "-c", SLEEP], None),
         "engine_core": (["VLLM::EngineCore", "-c", SPAWN], sys.executable),
         "engine_replica": ([engine_replica, "-c", SLEEP], sys.executable),
+        "replica_between_titles": ([sys.executable, "-c", SLEEP], None),
         "untitled_worker": (["/x/ray/_private/workers/default_worker.py", "-c", SLEEP], sys.executable),
         "raylet": ([str(raylet), "-c", SPAWN], None),
         "not_ray": ([sys.executable, "-c", SLEEP], None),
@@ -50,8 +52,9 @@ def test_keeper_lowers_serving_processes_but_never_the_engines_subtree(tmp_path)
     procs = {}
     try:
         for name, (argv, exe) in specs.items():
+            env = {**os.environ, NICE_ENV: "10"} if name == "replica_between_titles" else None
             procs[name] = subprocess.Popen(argv + ([] if name == "not_ray" else [f"--session-dir={session}"]),
-                                           executable=exe)
+                                           executable=exe, env=env)
         deadline = time.time() + 30
         while time.time() < deadline and not all(psutil.Process(procs[n].pid).children()
                                                   for n in ("engine_core", "raylet")):
@@ -62,16 +65,20 @@ def test_keeper_lowers_serving_processes_but_never_the_engines_subtree(tmp_path)
         assert psutil.Process(pids["raylet"]).name() == "raylet"
         before = os.getpriority(os.PRIO_PROCESS, 0)
 
-        changed = lower_serving_priority(10, include_self=False, skip=(engine_replica,), marker=session)
+        changed = lower_serving_priority(10, include_self=False, skip=(engine_replica,), marker=session,
+                                         skip_env=NICE_ENV)
 
         got = {n: thread_nices(psutil.Process(pid)) for n, pid in pids.items()}
         assert got == {"plain": {10}, "engine_core": {0}, "engine_core_child": {0}, "engine_replica": {0},
-                       "untitled_worker": {0}, "raylet": {0}, "raylet_child": {10}, "not_ray": {0}}, got
+                       "replica_between_titles": {0}, "untitled_worker": {0}, "raylet": {0}, "raylet_child": {10},
+                       "not_ray": {0}}, got
         assert changed == len(psutil.Process(pids["plain"]).threads()) + len(psutil.Process(pids["raylet_child"]).threads())
         assert os.getpriority(os.PRIO_PROCESS, 0) == before
-        assert lower_serving_priority(10, include_self=False, skip=(engine_replica,), marker=session) == 0
+        assert lower_serving_priority(10, include_self=False, skip=(engine_replica,), marker=session,
+                                      skip_env=NICE_ENV) == 0
         lower_serving_priority(10, include_self=False, skip=(engine_replica,))   # no session given: every child
         assert thread_nices(psutil.Process(pids["not_ray"])) == {10}
+        assert thread_nices(psutil.Process(pids["replica_between_titles"])) == {10}   # no skip_env: by title only
     finally:
         _kill_trees(procs.values())
 

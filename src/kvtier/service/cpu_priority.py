@@ -13,7 +13,10 @@ thread in the driver raises every process of the Ray it started to ``nice``, thr
 a nice value per thread), every ``period_s`` so restarted replicas and new threads follow -- except vLLM's
 EngineCore and Worker processes (process titles ``VLLM::...``), Ray's idle pooled workers (``ray::IDLE``)
 and the engine replicas: their vLLM processes inherit the nice value they are spawned with, so an engine
-replica lowers itself once its engine has started (`KVTierVLLMEngine.start`, told by ``NICE_ENV``). Only raising:
+replica lowers itself once its engine has started (`KVTierVLLMEngine.start`, told by ``NICE_ENV``). The
+keeper knows an engine replica by that variable in its environment, fixed when Ray starts the process, as
+well as by its title: a replica lowered in a window where its title said otherwise would spawn vLLM's
+engine core at the serving nice value (seen once in CI, an EngineCore at 19). Only raising:
 no privilege is needed and nothing is ever made more urgent than the engine. On a cluster kvtier only joins
 (KubeRay) none of this runs: the cluster's own settings apply.
 """
@@ -64,21 +67,24 @@ def _titled(proc, prefixes: tuple[str, ...], argv: list[str] | None = None) -> b
     return " ".join(argv).startswith(prefixes) or proc.name().startswith(prefixes)
 
 
-def _skipped(proc, prefixes: tuple[str, ...]) -> bool:
-    """Titled with one of `prefixes`, or an untitled Ray worker (told by its script; not the raylet, which
-    names the script later in its command line)."""
+def _skipped(proc, prefixes: tuple[str, ...], env: str | None = None) -> bool:
+    """Titled with one of `prefixes`, an untitled Ray worker (told by its script; not the raylet, which
+    names the script later in its command line), or started with the variable `env` set."""
     argv = proc.cmdline() or []
-    return _titled(proc, prefixes, argv) or any(a.endswith(UNTITLED_WORKER) for a in argv[:3])
+    if _titled(proc, prefixes, argv) or any(a.endswith(UNTITLED_WORKER) for a in argv[:3]):
+        return True
+    return env is not None and env in proc.environ()
 
 
 def lower_serving_priority(nice: int, include_self: bool, skip: tuple[str, ...] = (), marker: str | None = None,
-                           own: tuple[tuple[str, ...], int] | None = None) -> int:
+                           own: tuple[tuple[str, ...], int] | None = None, skip_env: str | None = None) -> int:
     """Raise every thread of this process's descendants (and of this process if include_self) to `nice`,
     leaving out the whole subtree of a process whose title starts with one of ALWAYS_SKIPPED or `skip` (or
     an untitled Ray worker), and with `marker` (a Ray session directory) only the subtrees of this process's
     children whose command line names it (Ray's daemons; not other children of the same process). `own`
     (titles, value): the subtree of a process with one of those titles gets that value instead (0: left as
-    it is). One walk of the tree. Returns how many threads changed."""
+    it is). `skip_env`: the whole subtree of a process started with that environment variable set is left
+    out too (not checked for this process itself). One walk of the tree. Returns how many threads changed."""
     import psutil
 
     me = psutil.Process()
@@ -89,7 +95,7 @@ def lower_serving_priority(nice: int, include_self: bool, skip: tuple[str, ...] 
     while todo:
         proc, target = todo.pop()
         try:
-            if _skipped(proc, prefixes):
+            if _skipped(proc, prefixes, None if proc.pid == me.pid else skip_env):
                 continue
             if _titled(proc, own_titles):
                 target = own_nice
@@ -128,7 +134,8 @@ class PriorityKeeper:
         return self
 
     def pass_once(self) -> None:
-        lower_serving_priority(self.nice, include_self=False, skip=self.skip, marker=self.session_dir, own=self.own)
+        lower_serving_priority(self.nice, include_self=False, skip=self.skip, marker=self.session_dir, own=self.own,
+                               skip_env=NICE_ENV)
 
     def _run(self) -> None:
         # the keeper's own passes (psutil over every thread of the session) at the serving nice value too: at
