@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_helpers import PROMPTS, assert_matches_masked_reference, greedy, records_for  # noqa: E402
+from kvtier.engine import final_budget  # noqa: E402
 from kvtier.engine.api import build_llm, eviction_stats, pool_state  # noqa: E402
 from kvtier.engine.elastic import Candidate, choose  # noqa: E402
 from kvtier.engine.support import KVTierRequestError  # noqa: E402
@@ -64,6 +65,16 @@ def test_kv_bound_elastic_batch_tightens_instead_of_preempting_and_matches_the_r
         assert first["round"] == 1 and first["budget"] == FLOOR
         assert first["query_position"] + 1 >= FLOOR + 2 * BUFFER         # tightened from full attention
         assert all(len(head) == FLOOR for layer in first["kept"] for head in layer)
+    for o in outs:   # each request's final budget, as the engine reported it (final_budget.py)
+        assert o.kv_transfer_params is None          # taken off again: vLLM's own output is unchanged
+        report = final_budget.pop(o.request_id)
+        if o in tightened:
+            first = records_for(audit, o.request_id)[0]
+            assert report["budget"] == FLOOR and report["tightened"] in ("preemption", "admission"), report
+            assert report["tightened_at"] == first["query_position"] + 1 and report["evicted_tokens"] > 0, report
+        else:
+            assert report["budget"] is None and report["tightened"] is None and report["evicted_tokens"] == 0
+        assert report["floor"] == FLOOR and report["policy"] == "random", report
     for o in tightened[:2]:
         assert_matches_masked_reference(replay, o, records_for(audit, o.request_id), BUFFER, what="elastic: ")
     assert pool_state(llm)["free_blocks"] == pool_state(llm)["total_blocks"]
@@ -77,6 +88,8 @@ def test_an_elastic_request_with_room_is_full_attention(tiny_model_dir, engines)
     full = llm.generate(PROMPTS[:1], greedy(TOKENS, budget="full"), use_tqdm=False)[0]
     assert list(elastic.outputs[0].token_ids) == list(full.outputs[0].token_ids)
     assert sum(eviction_stats(llm)["engine"]["tightenings"].values()) == before
+    assert final_budget.pop(elastic.request_id) == {**final_budget.FULL_REPORT, "floor": FLOOR, "policy": "random"}
+    assert final_budget.pop(full.request_id) == final_budget.FULL_REPORT
 
 
 def test_floors_that_do_not_fit_fall_back_to_vllm_preemption(tiny_model_dir, engines):

@@ -98,16 +98,23 @@ def test_router_metrics_count_tokens_latency_and_hang_ups_per_tier(monkeypatch):
     m.finished("k64", 0.5, None)        # an engine that reported no usage: latency only
     m.finished("k64", 2.2, {"completion_tokens": 11}, first_token_s=0.2)   # a stream: 10 tokens after the first
     m.finished("k64", 0.3, {"completion_tokens": 1}, first_token_s=0.3)    # one token: no time per token
+    m.finished("elastic", 1.0, {"completion_tokens": 5, "kvtier": {"budget": 256, "floor": 256}})  # tightened
+    m.finished("elastic", 1.0, {"completion_tokens": 5, "kvtier": {"budget": None, "floor": 256}})  # full to the end
     m.cancelled("full")
     m.rejection(401, "unauthorized")
     m.rejection(503, "engine-unavailable", "k64")
     snap = m.snapshot()
     assert snap["tiers"] == {"full": {"finished": 0, "prompt_tokens": 0, "generation_tokens": 0, "cancelled": 1},
-                             "k64": {"finished": 4, "prompt_tokens": 12, "generation_tokens": 42, "cancelled": 0}}
+                             "k64": {"finished": 4, "prompt_tokens": 12, "generation_tokens": 42, "cancelled": 0},
+                             "elastic": {"finished": 2, "prompt_tokens": 0, "generation_tokens": 10, "cancelled": 0}}
+    assert snap["final_budgets"] == [{"tier": "elastic", "budget": "256", "count": 1},
+                                     {"tier": "elastic", "budget": "full", "count": 1}]
     c = fake.calls
-    assert [v for _, v, _ in c["kvtier_router_generation_tokens"]] == [30, 11, 1]
+    assert [v for _, v, _ in c["kvtier_router_generation_tokens"]] == [30, 11, 1, 5, 5]
+    assert c["kvtier_router_final_budget"] == [("inc", 1, {"tier": "elastic", "budget": "256"}),
+                                               ("inc", 1, {"tier": "elastic", "budget": "full"})]
     assert c["kvtier_router_prompt_tokens"] == [("inc", 12, {"tier": "k64"})]
-    assert [v for _, v, _ in c["kvtier_router_request_latency_seconds"]] == [1.5, 0.5, 2.2, 0.3]
+    assert [v for _, v, _ in c["kvtier_router_request_latency_seconds"]] == [1.5, 0.5, 2.2, 0.3, 1.0, 1.0]
     assert c["kvtier_router_tpot_seconds"] == [("observe", pytest.approx(0.2), {"tier": "k64"})]
     assert c["kvtier_router_ttft_seconds"] == [("observe", 0.2, {"tier": "k64"})]
     assert c["kvtier_router_cancelled"] == [("inc", 1, {"tier": "full"})]

@@ -120,11 +120,15 @@ def test_models_health_and_open_mode_banner(service, client, http):
 def test_completion_and_streaming_chat(client):
     out = client.completions.create(model=MODEL, prompt=SHORT, max_tokens=8, temperature=0, extra_body=NO_EOS)
     assert out.choices[0].text and out.usage.completion_tokens == 8
+    assert out.model_extra.get("kv_transfer_params") is None        # vLLM's own fields as they were
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Count to three."}], max_tokens=8, stream=True,
-        extra_body=NO_EOS))
+        stream_options={"include_usage": True}, extra_body=NO_EOS))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+    # the stream's usage chunk carries the request's final budget (a short chat: full attention)
+    usage = chunks[-1].usage.model_dump()
+    assert usage["completion_tokens"] == 8 and usage["kvtier"]["budget"] is None, usage
 
 
 def test_tier_header_follows_the_routing_rule(client, http, counter):
@@ -215,6 +219,9 @@ def test_an_elastic_tier_serves_at_full_attention_when_memory_is_free(http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": SHORT, "max_tokens": 40, **NO_EOS}, headers=bob)
     assert r.status_code == 200 and r.headers["x-kvtier-tier"] == "elastic", r.text[:300]
     assert r.json()["usage"]["completion_tokens"] == 40
+    # its final budget, as the engine reported it (service/usage.py): full attention to the end, floor 64
+    final = r.json()["usage"]["kvtier"]
+    assert final["budget"] is None and final["floor"] == 64 and final["tightened"] is None, final
     # its floor (64) cannot hold a ~200-token protected prompt: a 400 naming the limit, the engine unharmed
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "seven " * 200, "max_tokens": 4}, headers=bob)
     assert r.status_code == 400 and "budget=64" in r.json()["error"]["message"], r.text[:500]

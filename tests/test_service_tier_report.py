@@ -50,3 +50,24 @@ def test_a_load_sweep_is_not_a_tiers_figure(tmp_path):
     (tmp_path / "goodput-load-cpu-2026-12-03.json").write_text(json.dumps({"loads": {}, "settings": {"model_id": "m"}}))
     (tmp_path / "goodput-cpu-2026-12-01.json").write_text(json.dumps(single))
     assert newest_goodput("m", tmp_path)[0].name == "goodput-cpu-2026-12-03.json"
+
+
+def test_the_elastic_tier_and_auto_read_the_newest_load_sweep(tmp_path):
+    """The banner's `across load` lines: per load, correct answers/s against the better of stock and the
+    sweep's fixed-budget tiers, preemptions against stock's, accuracy at the lowest and highest load."""
+    from kvtier.service.tier_report import sweep_lines
+
+    cfg = load_config(DEMO_CONFIG)
+    arm = lambda cps, pre, acc=1.0: {"correct_per_s": cps, "preemptions": pre,  # noqa: E731
+                                     "accuracy": {"local": 1.0, "needle": acc}}
+    loads = {str(c): {"arms": {"stock": arm(s, sp), "full": arm(9.0, sp), "k256": arm(k, 0, 0.3), "elastic": arm(e, 0, ea)},
+                      "runs": [{}, {}, {}]}
+             for c, s, sp, k, e, ea in ((1, 1.0, 0, 0.5, 0.9, 1.0), (64, 1.0, 40, 2.0, 2.2, 0.5))}
+    (tmp_path / "goodput-load-cpu-2026-12-04.json").write_text(json.dumps(
+        {"loads": loads, "settings": {"model_id": cfg.model_ids[0]}}))
+    lines = sweep_lines(cfg, tmp_path)
+    assert set(lines) == {"elastic"}       # fixed tiers and full attention have their single-load figures
+    assert lines["elastic"] == ("loads 1/64: 0.90/1.10x the better of stock and k256 in correct answers/s, "
+                                "preemptions 0/0 (stock 0/40); accuracy load 1: local 1.00, needle 1.00; load 64: "
+                                "local 1.00, needle 0.50 [goodput-load-cpu-2026-12-04.json, median of 3 run(s)]")
+    assert "| `elastic` | elastic, floor K=256 r=32 random | across load: loads 1/64" in markdown(cfg, tmp_path)

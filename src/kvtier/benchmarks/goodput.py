@@ -199,6 +199,17 @@ def main_arm(arms: list[str]) -> str | None:
     return "auto" if "auto" in arms else next((a for a in arms if a not in ("stock", "full")), None)
 
 
+def median_of(per_run: list[dict], arms: list[str]) -> dict:
+    """The runs' summary: the median run's arms (ranked by main_arm's ratio to stock), and every run's."""
+    key = main_arm(arms)
+    score = (lambda r: r[key].get("correct_per_s_ratio_to_stock", r[key]["correct_per_s"])) if key else (lambda r: 0)
+    ranked = sorted(range(len(per_run)), key=lambda i: score(per_run[i]))
+    median = ranked[(len(per_run) - 1) // 2]
+    return {"arms": per_run[median], "median_run": median, "median_by": key, "runs": per_run,
+            "summary": {arm: {"correct_per_s_ratio_to_stock": [r[arm].get("correct_per_s_ratio_to_stock")
+                                                               for r in per_run]} for arm in arms}}
+
+
 def run_goodput(settings: EngineSettings, config: dict, tasks: list[GradedTask], arms: list[str], runs: int,
                 workdir: Path, concurrency: int, max_tokens: int, seed: int = 0, log=print,
                 family: str | None = None) -> dict:
@@ -212,14 +223,7 @@ def run_goodput(settings: EngineSettings, config: dict, tasks: list[GradedTask],
         for i in range(runs):
             log(f"run {i + 1}/{runs}")
             per_run.append(one_run(arms, settings, config, tasks, workdir, concurrency, max_tokens, seed, log))
-    key = main_arm(arms)
-    score = (lambda r: r[key].get("correct_per_s_ratio_to_stock", r[key]["correct_per_s"])) if key else (lambda r: 0)
-    ranked = sorted(range(runs), key=lambda i: score(per_run[i]))
-    median = ranked[(runs - 1) // 2]
-    return {"arms": per_run[median], "median_run": median, "median_by": key, "runs": per_run,
-            "summary": {arm: {"correct_per_s_ratio_to_stock": [r[arm].get("correct_per_s_ratio_to_stock")
-                                                               for r in per_run]} for arm in arms},
-            "settings": asdict(settings), "tasks": {"problems": len(tasks), "kinds": sorted({t.kind for t in tasks}),
+    return {**median_of(per_run, arms), "settings": asdict(settings), "tasks": {"problems": len(tasks), "kinds": sorted({t.kind for t in tasks}),
                                                 **({"family": family} if family else {})},
             "concurrency": concurrency, "max_tokens": max_tokens,
             "routing_rule": config.get("routing", {}).get("rule"), **where}

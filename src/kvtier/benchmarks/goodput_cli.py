@@ -98,3 +98,25 @@ def register(bench_app: typer.Typer) -> None:
         result = run_goodput(settings, cfg.model_dump(mode="json"), graded, chosen, runs, workdir, loads[0],
                              max_tokens, seed, log=log, family=fam.name if fam else None)
         emit(result, out, plot, draw)
+
+    @bench_app.command("goodput-merge")
+    def bench_goodput_merge(
+        results: list[Path] = typer.Argument(..., help="`bench goodput` JSON files, single-load or load sweeps, "
+                                             "made with the same settings, problems, loads and arms."),
+        out: Optional[Path] = typer.Option(None, help="Write the merged JSON here too."),
+        plot: Optional[Path] = typer.Option(None, help="Write its plot here."),
+    ) -> None:
+        """Runs made one at a time as one result, as if made with --runs N (the median run chosen again;
+        each run's commit and machine kept)."""
+        import json
+
+        from .goodput import plot as draw
+        from .goodput_load import plot_loads
+        from .goodput_merge import merge
+
+        try:
+            merged = merge([json.loads(p.read_text()) for p in results])
+        except (OSError, ValueError, KeyError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="RESULTS") from None
+        emit(merged, out, plot, plot_loads if "loads" in merged else draw)
+

@@ -5,7 +5,8 @@ Each function takes vLLM's original and returns its replacement, which calls the
 0.31: `EngineArgs.create_engine_config` raises ValueError with vLLM's Model Runner V2 advice
 (support.V2_ADVICE) for settings that need it; `InputProcessor.process_inputs(request_id, prompt, params,
 ...)` returns the EngineCoreRequest (with prompt_token_ids) and raises VLLMValidationError with that advice
-for request parameters that need V2 (e.g. prompt_logprob_token_ids).
+for request parameters that need V2 (e.g. prompt_logprob_token_ids); `OutputProcessor.process_outputs(
+engine_core_outputs, ...)` with `request_states` by internal request id.
 """
 
 from __future__ import annotations
@@ -47,3 +48,13 @@ def process_inputs(orig):
         validate_engine_request(self.vllm_config, request)
         return request
     return process_inputs
+
+
+def process_outputs(orig):
+    @functools.wraps(orig)
+    def process_outputs(self, engine_core_outputs, *args, **kwargs):
+        from .final_budget import take_from_outputs
+
+        take_from_outputs(self.request_states, engine_core_outputs)
+        return orig(self, engine_core_outputs, *args, **kwargs)
+    return process_outputs

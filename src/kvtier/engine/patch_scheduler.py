@@ -58,7 +58,13 @@ def update_from_output(orig):
             from .payload import FAILURES_ATTR
 
             ev.on_worker_failures(self, getattr(model_runner_output, FAILURES_ATTR, None))
-        return orig(self, scheduler_output, model_runner_output, *args, **kwargs)
+        outputs = orig(self, scheduler_output, model_runner_output, *args, **kwargs)
+        if ev is not None:
+            from . import final_budget
+
+            final_budget.attach(outputs, ev.finished)   # requests that finished in this step free there
+            ev.finished.clear()
+        return outputs
     return update_from_output
 
 

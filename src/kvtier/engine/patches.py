@@ -78,8 +78,15 @@ PATCHES: tuple[Patch, ...] = (
           "step payload (ops, offsets) to SchedulerOutput, which reaches the worker", scheduler.schedule),
     Patch("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
           "abort (FINISHED_ERROR) the requests whose eviction policy failed in the worker this step; the "
-          "worker compacted them with a fallback, so the engine and every other request keep running",
+          "worker compacted them with a fallback, so the engine and every other request keep running; put "
+          "each finished request's final budget on its last EngineCoreOutput (final_budget.py); assumes it "
+          "returns {client index: EngineCoreOutputs} and frees a finished request before building its output",
           scheduler.update_from_output),
+    Patch("vllm.v1.engine.output_processor:OutputProcessor.process_outputs",
+          "take kvtier's final-budget reports off finished outputs' kv_transfer_params before vLLM builds "
+          "the RequestOutput (vLLM's responses stay as they were) and keep them by external request id for "
+          "kvtier's server (final_budget.py); assumes process_outputs(engine_core_outputs, ...) with "
+          "`request_states` by internal id, each with `external_req_id`", frontend.process_outputs),
     Patch("vllm.v1.core.sched.scheduler:Scheduler.add_request",
           "resolve the request's eviction spec from SamplingParams.extra_args", scheduler.add_request),
     Patch("vllm.v1.core.sched.scheduler:Scheduler._preempt_request",

@@ -22,7 +22,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.policies.base import ATTENTION, QUERIES
 
-from . import compat
+from . import compat, final_budget
 from .config import EngineEvictionConfig, EvictionSpec, resolve_request_spec
 from .elastic import Candidate, blocks_for, choose
 from .payload import CompactionOp, StepPayload
@@ -59,6 +59,8 @@ class RequestEviction:
     rounds: int = 0
     compacted: bool = False  # a round ran since the cache was last (re)built chronologically
     floor_spec: EvictionSpec | None = None   # an elastic request's spec at its floor (built once, at add)
+    tightened: str | None = None             # why an elastic request was tightened ("preemption"/"admission")
+    tightened_at: int | None = None          # its token count (logical) then
 
     @property
     def loose(self) -> bool:
@@ -80,6 +82,7 @@ class SchedulerEviction:
     blocks_freed: int = 0               # deltas shipped to the worker with the next step
     preempted_compressed: int = 0
     tightenings: dict[str, int] = field(default_factory=dict)   # why ("preemption" / "admission") -> count
+    finished: dict[str, dict] = field(default_factory=dict)     # final_budget reports, until this step's outputs
 
     # -- request lifecycle -------------------------------------------------------------------
     def on_add(self, request) -> None:
@@ -126,7 +129,9 @@ class SchedulerEviction:
         self.preempted_compressed += 1
 
     def on_free(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        st = self.states.pop(request_id, None)
+        if st is not None:
+            self.finished[request_id] = final_budget.report(st.spec, st.offset, st.tightened, st.tightened_at)
         self.pending.pop(request_id, None)
         self.preempted.discard(request_id)
         self.failed.discard(request_id)
@@ -206,6 +211,7 @@ class SchedulerEviction:
         st = self.states[request.request_id]
         before = len(compat.request_blocks(scheduler, request.request_id))
         st.spec = st.floor_spec
+        st.tightened, st.tightened_at = why, request.num_computed_tokens
         self._compact_if_due(scheduler, request, st)
         self.tightenings[why] = self.tightenings.get(why, 0) + 1
         return before - len(compat.request_blocks(scheduler, request.request_id))

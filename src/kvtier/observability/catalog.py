@@ -157,6 +157,10 @@ METRICS: tuple[Metric, ...] = (
            "abandons is not counted).", ROUTER, "tokens"),
     Metric("ray_kvtier_router_prompt_tokens_total", "counter", ("tier",),
            "Prompt tokens of requests answered in full, by tier (the engine's usage).", ROUTER, "tokens"),
+    Metric("ray_kvtier_router_final_budget_total", "counter", ("tier", "budget"),
+           "Requests answered in full, by tier and the budget K the engine ended them with (`full`: full "
+           "attention to the end; an elastic tier's requests end at full or at their floor), from the "
+           "response's usage.kvtier.", ROUTER, "requests"),
     Metric("ray_kvtier_router_cancelled_total", "counter", ("tier",),
            "Streams the client hung up on, by tier; the router aborted the engine request (its KV blocks "
            "are freed).", ROUTER, "requests"),

@@ -129,17 +129,22 @@ def operations() -> dm.Dashboard:
         "preemption (each a preemption avoided) or admission (to admit the next waiting request).",
         [(rate_or_zero("ray_kvtier_elastic_tightenings_total", "ray_kvtier_kv_blocks_used", dep, "deployment, reason"),
           "{{deployment}} {{reason}}")],
-        "ops", w=8))
+        "ops", w=6))
     d = d.with_panel(timeseries_panel(
         pid(), "Tokens evicted under pressure/s", "KV entries per KV head evicted by tightening rounds per second.",
         [(rate_or_zero("ray_kvtier_tokens_evicted_under_pressure_total", "ray_kvtier_kv_blocks_used", dep,
                        "deployment"), "{{deployment}}")],
-        "short", w=8))
+        "short", w=6))
     d = d.with_panel(timeseries_panel(
         pid(), "Elastic requests: full / at floor", "Elastic requests held per deployment, still at full "
         "attention or tightened to their floor.",
         [(f"sum by (deployment, state) ({metric('ray_kvtier_elastic_requests')}{dep})", "{{deployment}} {{state}}")],
-        "short", w=8, stack=True))
+        "short", w=6, stack=True))
+    d = d.with_panel(timeseries_panel(
+        pid(), "Answered by final budget/s", "Requests answered in full per second, by tier and the budget "
+        "K the engine ended them with (full: full attention to the end).",
+        [(rate("ray_kvtier_router_final_budget_total", tier, "tier, budget"), "{{tier}} K={{budget}}")],
+        "reqps", w=6, stack=True))
 
     d = d.with_row(db.Row("Routing").id(pid()))
     d = d.with_panel(timeseries_panel(

@@ -34,6 +34,7 @@ from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
 from kvtier.engine.api import WARMUP_PROMPT_TOKENS
 
 from .first_token import first_item
+from .usage import prompts_in, with_final_budget
 
 logger = logging.getLogger("kvtier.service")
 
@@ -173,8 +174,9 @@ class KVTierLLMServer(LLMServer):
         try:
             stream = await (self.chat(request) if kind == "chat" else self.completions(request))
             interval = self._llm_config.experimental_configs.get("kvtier_stream_interval_ms", 0) / 1000
+            prompts = prompts_in(payload) if kind != "chat" else 1
             async for item in coalesce(stream, interval) if request.stream and interval > 0 else stream:
-                plain = _plain(item)
+                plain = with_final_budget(_plain(item), prompts)
                 error = None if started else _sse_error(plain)
                 # vLLM's stream reports input errors it finds once generating (a token id beyond the vocabulary)
                 # as its first event; before any token that is still the caller's 4xx, not a 200 stream

@@ -34,6 +34,7 @@ _RAY_METRICS = {  # attribute -> (catalog name, histogram boundaries)
     "generation_tokens": ("ray_kvtier_router_generation_tokens_total", None),
     "prompt_tokens": ("ray_kvtier_router_prompt_tokens_total", None),
     "cancelled": ("ray_kvtier_router_cancelled_total", None),
+    "final_budgets": ("ray_kvtier_router_final_budget_total", None),
     "latency": ("ray_kvtier_router_request_latency_seconds", LATENCY_BOUNDARIES),
     "ttft": ("ray_kvtier_router_ttft_seconds", TTFT_BOUNDARIES),
     "ttft_segments": ("ray_kvtier_router_ttft_segment_seconds", SEGMENT_BOUNDARIES),
@@ -60,6 +61,7 @@ class RouterMetrics:
         self.decisions: _Counter[tuple[str, str]] = _Counter()
         self.rejections: _Counter[tuple[int, str]] = _Counter()
         self.tiers: dict[str, _Counter[str]] = defaultdict(_Counter)
+        self.final_budgets: _Counter[tuple[str, str]] = _Counter()   # (tier, K or "full") of finished requests
         self.breakdowns: deque[tuple[float, str, dict[str, float]]] = deque(maxlen=RECENT_BREAKDOWNS)
         self._ray: dict[str, Any] | None = None
         if export:
@@ -133,6 +135,12 @@ class RouterMetrics:
             t["prompt_tokens"] += prompt
             t["generation_tokens"] += generated
         tags = {"tier": tier}
+        report = (usage or {}).get("kvtier")
+        if isinstance(report, dict):      # the engine's final budget (service/usage.py)
+            budget = "full" if report.get("budget") is None else str(report["budget"])
+            with self._lock:
+                self.final_budgets[(tier, budget)] += 1
+            self._inc("final_budgets", 1, {"tier": tier, "budget": budget})
         self._inc("prompt_tokens", prompt, tags)
         self._inc("generation_tokens", generated, tags)
         self._observe("latency", seconds, tags)
@@ -152,4 +160,6 @@ class RouterMetrics:
                 "rejections": [{"status": s, "reason": r, "count": n} for (s, r), n in sorted(self.rejections.items())],
                 "tiers": {tier: {k: c[k] for k in ("finished", "prompt_tokens", "generation_tokens", "cancelled")}
                           for tier, c in sorted(self.tiers.items())},
+                "final_budgets": [{"tier": t, "budget": b, "count": n}
+                                  for (t, b), n in sorted(self.final_budgets.items())],
             }

@@ -112,17 +112,21 @@ def serve_command(
             typer.echo("kvtier serve: --prometheus scrapes a local Ray only (server.ray_address is set)", err=True)
             raise typer.Exit(2)
     typer.echo(f"kvtier serve: config {path}")
-    from .tier_report import tier_lines
+    from .tier_report import sweep_lines, tier_lines
 
-    measured = tier_lines(cfg)
+    measured, across = tier_lines(cfg), sweep_lines(cfg)
     for t in cfg.tiers:
         budget = (f"K={t.budget} r={t.buffer} policy={t.policy}" if t.compressed else f"elastic: full attention, "
                   f"floor K={t.floor} r={t.buffer} policy={t.policy} when blocks run out" if t.elastic else "full attention")
         typer.echo(f"  tier {t.name:<12} engine {t.engine:<10} {budget}{'' if t.auto else ' (explicit only)'}")
         if t.name in measured:
             typer.echo(f"       measured: {measured[t.name]}")
+        if t.name in across:
+            typer.echo(f"       across load: {across[t.name]}")
     if "auto" in measured:
         typer.echo(f"  routing auto   measured: {measured['auto']}")
+    if "auto" in across:
+        typer.echo(f"  routing auto   across load: {across['auto']}")
     for name, eng in cfg.engines.items():
         from .app import resolve_model_path
         from kvtier.engine.cpu_dtype import bf16_slow_path_note

@@ -22,6 +22,48 @@ def newest_goodput(model_id: str, results: Path = RESULTS) -> tuple[Path, dict] 
     return None
 
 
+def newest_load_sweep(model_id: str, results: Path = RESULTS) -> tuple[Path, dict] | None:
+    """(path, JSON) of the newest load sweep (`bench goodput --concurrency 1,4,16,64`) on `model_id`."""
+    for path in sorted(results.glob("goodput-load-*.json"), key=lambda p: p.name.rsplit("-cpu-", 1)[-1], reverse=True):
+        data = json.loads(path.read_text())
+        if "loads" in data and data.get("settings", {}).get("model_id") == model_id:
+            return path, data
+    return None
+
+
+def sweep_lines(cfg, results: Path = RESULTS) -> dict[str, str]:
+    """{tier or 'auto': one line of what the newest load sweep measured for it}: per load, correct answers/s
+    against the better of stock and the sweep's fixed-budget tiers, preemptions against stock's, and the
+    accuracy per kind at the lowest and highest load."""
+    out: dict[str, str] = {}
+    names = {t.name for t in cfg.tiers} | {"auto"}
+    for model_id in cfg.model_ids:
+        found = newest_load_sweep(model_id, results)
+        if found is None:
+            continue
+        path, data = found
+        loads = sorted(data["loads"], key=int)
+        fixed = [t.name for t in cfg.tiers if t.compressed and not t.elastic]
+        runs = len(data["loads"][loads[0]]["runs"])
+        for name in data["loads"][loads[0]]["arms"]:
+            if name not in names or name in fixed or name == "full":
+                continue
+            ratios, pre, stock_pre = [], [], []
+            for c in loads:
+                arms = data["loads"][c]["arms"]
+                best = max(a["correct_per_s"] for n, a in arms.items() if n == "stock" or n in fixed)
+                ratios.append(f"{arms[name]['correct_per_s'] / best:.2f}")
+                pre.append(f"{arms[name].get('preemptions', 0):.0f}")
+                stock_pre.append(f"{arms.get('stock', {}).get('preemptions', 0):.0f}")
+            acc = "; ".join(f"load {c}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(
+                data["loads"][c]["arms"][name]["accuracy"].items())) for c in (loads[0], loads[-1]))
+            out[name] = (f"loads {'/'.join(loads)}: {'/'.join(ratios)}x the better of stock and "
+                         f"{'/'.join(n for n in fixed if n in data['loads'][loads[0]]['arms']) or 'nothing'} in "
+                         f"correct answers/s, preemptions {'/'.join(pre)} (stock {'/'.join(stock_pre)}); "
+                         f"accuracy {acc} [{path.name}, median of {runs} run(s)]")
+    return out
+
+
 def tier_lines(cfg, results: Path = RESULTS) -> dict[str, str]:
     """{tier or 'auto': one line of measured accuracy and goodput} for the tiers a result measured."""
     out: dict[str, str] = {}
@@ -49,13 +91,15 @@ def tier_lines(cfg, results: Path = RESULTS) -> dict[str, str]:
 
 def markdown(cfg, results: Path = RESULTS) -> str:
     """The service README's table: every tier of `cfg` (and auto), measured or not."""
-    lines = tier_lines(cfg, results)
+    lines, across = tier_lines(cfg, results), sweep_lines(cfg, results)
+    cell = lambda name: "<br>".join([*([lines[name]] if name in lines else []),  # noqa: E731
+                                     *([f"across load: {across[name]}"] if name in across else [])]) or "not measured"
     rows = ["| tier | budget | measured (kvtier bench goodput) |", "| --- | --- | --- |"]
     for t in cfg.tiers:
         budget = (f"K={t.budget} r={t.buffer} {t.policy}" if t.compressed else
                   f"elastic, floor K={t.floor} r={t.buffer} {t.policy}" if t.elastic else "full attention")
-        rows.append(f"| `{t.name}` | {budget} | {lines.get(t.name, 'not measured')} |")
-    rows.append(f"| `auto` | kvtier's routing | {lines.get('auto', 'not measured')} |")
+        rows.append(f"| `{t.name}` | {budget} | {cell(t.name)} |")
+    rows.append(f"| `auto` | kvtier's routing | {cell('auto')} |")
     return "\n".join(rows) + "\n"
 
 
