@@ -81,6 +81,9 @@ def test_bench_goodput_stock_and_two_kvtier_arms(tmp_path):
     assert min(arms["full"]["accuracy"].values()) >= 0.9 and arms["full"]["correct_per_s"] > 0
     assert arms["stock"]["correct_per_s"] > 0 and arms["stock"]["correct_per_s_ratio_to_stock"] == 1.0
     assert arms["full"]["eviction_events"] == 0 and arms["k512"]["eviction_events"] > 0
+    # every answer's final budget, from its usage.kvtier: full attention, or the fixed tier's K
+    assert arms["full"]["final_budgets"] == {"full": 4} and arms["k512"]["final_budgets"] == {"512": 4}
+    assert arms["stock"]["final_budgets"] is None
 
 
 def test_load_sweep_runs_every_arm_at_every_load_and_plots(tmp_path, monkeypatch):

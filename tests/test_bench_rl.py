@@ -31,7 +31,9 @@ def _report() -> dict:
     def rec(step, reward, rollout, p01):
         return step_row({"step": step, "reward_mean": reward, "seconds": 60.0, "rollout_seconds": rollout,
                          "learner_vs_rollout": {"token_ratio_min": p01 / 2, "token_ratio_p01": p01,
-                                                "share_below_0_86": 0.0, "kl": 1e-4, "max_abs_log_ratio": 0.2}})
+                                                "share_below_0_86": 0.0, "kl": 1e-4, "max_abs_log_ratio": 0.2},
+                         "grad_norm": 0.05 * step, "ppo_kl": 0.0, "clipfrac": 0.0, "pg_loss": -0.01,
+                         "entropy": 0.4, "update_seconds": 20.0})
 
     held = {"start": {"evicted": {"accuracy": 0.2, "ci": [0.1, 0.3]}, "full": {"accuracy": 1.0, "ci": [1.0, 1.0]}}}
     held["end"] = held["start"]
@@ -39,6 +41,13 @@ def _report() -> dict:
         "full": {"steps": [rec(1, 1.0, 30.0, 1.0), rec(2, 1.0, 30.0, 1.0)], "heldout": held},
         "dense": {"steps": [rec(1, 0.2, 15.0, 0.5), rec(2, 0.3, 15.0, 0.6)], "heldout": held},
         "replay": {"steps": [rec(1, 0.2, 12.0, 1.0), rec(2, 0.4, 12.0, 1.0)], "heldout": held}}}
+
+
+def test_step_rows_carry_the_updates_diagnostics():
+    row = _report()["arms"]["dense"]["steps"][1]
+    assert {k: row[k] for k in ("grad_norm", "ppo_kl", "clipfrac", "pg_loss", "entropy", "update_seconds")} == {
+        "grad_norm": 0.1, "ppo_kl": 0.0, "clipfrac": 0.0, "pg_loss": -0.01, "entropy": 0.4, "update_seconds": 20.0}
+    assert step_row({"step": 1})["kl_loss"] is None      # a run that logged no KL loss: None, not a crash
 
 
 def test_ratios_are_full_over_compressed_rollout_seconds():

@@ -205,6 +205,12 @@ def test_replay_learner_agrees_with_the_rollout_on_the_graded_task(smoke_replay)
         assert tails["kl"] < 1e-3 and tails["max_abs_log_ratio"] < 2.0, tails
         assert tails["token_ratio_p01"] > 0.95 and tails["share_below_0_86"] < 0.005, tails
         assert abs(s["mismatch"]["kl"]) < 1e-3, s["mismatch"]          # verl's own rollout-vs-old KL
+        # #38 item 1: the update's own forward replays too. Its first (on-policy) mini-batch sees the deaths the
+        # old log-probs were scored with: ppo_kl ~0, nothing clipped; a dense fallback inside update_actor
+        # would show the dense learner's ~0.1 here (checked by hand, issue #38)
+        assert s["ppo_kl"] is not None and abs(s["ppo_kl"]) < 1e-3 and s["clipfrac"] == 0.0, s
+        assert all(s[k] is not None and math.isfinite(s[k]) for k in ("pg_loss", "grad_norm", "entropy",
+                                                                       "update_seconds")), s
         assert s["eviction_events"] > 0 and s["actor_loss"] is not None and math.isfinite(s["actor_loss"]), s
         assert 0.0 <= s["reward_mean"] <= 1.0
     assert any(s["advantage_abs_max"] > 0 for s in steps), "every group's reward was constant: no GRPO signal"

@@ -94,10 +94,10 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
 
     headers = {} if arm in ("stock", "auto") else {"x-kvtier-tier": arm}
     kind = "stock" if arm == "stock" else "kvtier"
-    before, tight0 = counters(kind, server), tightenings(kind, server)
+    before, (tight0, ends0) = counters(kind, server), elastic_counts(kind, server)
     with contextlib.redirect_stdout(io.StringIO()):
         r = vllm_bench(bench_args(settings, server, dataset, len(tasks), concurrency, max_tokens, headers, seed))
-    after, tight1 = counters(kind, server), tightenings(kind, server)
+    after, (tight1, ends1) = counters(kind, server), elastic_counts(kind, server)
     errors = list(r.get("errors") or [""] * len(tasks))
     per = []
     for t, text, n_out, err in zip(tasks, r["generated_texts"], r["output_lens"], errors):
@@ -110,17 +110,25 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
             "tok_per_s": float(r["output_throughput"]), "failed": int(r["failed"]),
             "preemptions": None if after[0] is None else after[0] - (before[0] or 0.0),
             "eviction_events": None if after[1] is None else after[1] - (before[1] or 0.0),
-            "tightenings": None if tight1 is None else tight1 - (tight0 or 0.0)}
+            "tightenings": None if tight1 is None else tight1 - (tight0 or 0.0),
+            # requests answered by the budget they ended with (usage.kvtier; "full": full attention to the end)
+            "final_budgets": None if ends1 is None else
+            {b: n - ends0.get(b, 0) for b, n in sorted(ends1.items()) if n > ends0.get(b, 0)}}
 
 
-def tightenings(kind: str, server: ServerProcess) -> float | None:
-    """Elastic requests tightened so far on a kvtier server's engines (None for stock)."""
+def elastic_counts(kind: str, server: ServerProcess) -> tuple[float | None, dict[str, int] | None]:
+    """(elastic requests tightened so far on a kvtier server's engines, requests answered so far by the
+    budget they ended with, over all tiers); (None, None) for stock."""
     if kind == "stock":
-        return None
+        return None, None
     import httpx
 
-    engines = httpx.get(server.url + "/v1/kvtier/stats", params={"eviction": "true"}, timeout=30).json()["engines"]
-    return float(sum(sum(((e.get("eviction") or {}).get("tightenings") or {}).values()) for e in engines.values()))
+    stats = httpx.get(server.url + "/v1/kvtier/stats", params={"eviction": "true"}, timeout=30).json()
+    engines = stats["engines"]
+    ends: dict[str, int] = {}
+    for row in stats["router"].get("final_budgets", []):
+        ends[row["budget"]] = ends.get(row["budget"], 0) + row["count"]
+    return float(sum(sum(((e.get("eviction") or {}).get("tightenings") or {}).values()) for e in engines.values())), ends
 
 
 def _scores(per: list[dict], kind: str) -> dict:
@@ -152,7 +160,7 @@ def summarize_arm(raw: dict, full: dict | None) -> dict:
            "ttft_ms": round(raw["ttft_ms"], 1), "ttft_p99_ms": round(raw["ttft_p99_ms"], 1),
            "e2el_ms": round(raw["e2el_ms"], 1), "e2el_p99_ms": round(raw["e2el_p99_ms"], 1),
            "preemptions": raw["preemptions"], "eviction_events": raw["eviction_events"],
-           "tightenings": raw.get("tightenings"), "failed": raw["failed"]}
+           "tightenings": raw.get("tightenings"), "final_budgets": raw.get("final_budgets"), "failed": raw["failed"]}
     if full is not None:
         theirs = {p["pid"]: p["output_tokens"] for p in full["per_problem"]}
         shared = [p for p in per if p["pid"] in theirs]

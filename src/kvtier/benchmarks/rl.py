@@ -102,7 +102,9 @@ def step_row(rec: dict) -> dict:
             "kl": tails.get("kl"), "max_abs_log_ratio": tails.get("max_abs_log_ratio"),
             "preemptions_mean": rec.get("preemptions_mean"), "rollout_replayable": rec.get("rollout_replayable"),
             "learner_replay_share": rec.get("learner_replay_share"),
-            "advantage_abs_max": rec.get("advantage_abs_max")}
+            "advantage_abs_max": rec.get("advantage_abs_max"),
+            **{k: rec.get(k) for k in ("pg_loss", "grad_norm", "ppo_kl", "clipfrac", "kl_loss", "entropy",
+                                       "update_seconds")}}
 
 
 def run_arm(arm: str, model: str, shape: RLBenchShape, workdir: Path, echo=print) -> dict:

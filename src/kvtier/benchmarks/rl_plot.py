@@ -1,5 +1,6 @@
 """The plot of `kvtier bench rl`: reward vs step and vs wall-clock, held-out accuracy at the start and end of
-each arm (under eviction at K and at full attention, 95% CI), and the learner/sampler ratio's lower tail."""
+each arm (under eviction at K and at full attention, 95% CI), the learner/sampler ratio's lower tail, and
+the update's diagnostics per step: grad norm, and entropy with ppo_kl (a twin axis)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def plot_rl(report: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(2, 2, figsize=(11, 8))
+    fig, ax = plt.subplots(3, 2, figsize=(11, 11))
+    kl_ax = ax[2, 1].twinx()
     for name, arm in report["arms"].items():
         steps = arm["steps"]
         c = COLORS.get(name)
@@ -26,11 +28,19 @@ def plot_rl(report: dict, path: str | Path) -> Path:
         ax[0, 1].plot(clock, reward, "o-", color=c, label=name)
         ax[1, 1].plot(xs, [s["token_ratio_p01"] for s in steps], "o-", color=c, label=f"{name} p01")
         ax[1, 1].plot(xs, [s["token_ratio_min"] for s in steps], "x--", color=c, alpha=0.6, label=f"{name} min")
+        series = lambda key: [s.get(key) if s.get(key) is not None else float("nan") for s in steps]  # noqa: E731
+        ax[2, 0].plot(xs, series("grad_norm"), "o-", color=c, label=name)
+        ax[2, 1].plot(xs, series("entropy"), "o-", color=c, label=f"{name} entropy")
+        kl_ax.plot(xs, series("ppo_kl"), "x--", color=c, alpha=0.7, label=f"{name} ppo_kl")
     ax[0, 0].set(xlabel="GRPO step", ylabel="mean reward (graded)", title="reward vs step")
     ax[0, 1].set(xlabel="wall-clock (min)", ylabel="mean reward", title="reward vs wall-clock")
     ax[1, 1].axhline(0.86, color="k", lw=0.8, ls=":")
     ax[1, 1].set(xlabel="GRPO step", ylabel="pi_learner / pi_rollout", yscale="log",
                  title="per-token ratio: 1st percentile and min")
+    ax[2, 0].set(xlabel="GRPO step", ylabel="grad norm (before clipping)", title="update: grad norm")
+    ax[2, 1].set(xlabel="GRPO step", ylabel="entropy (o)", title="update: entropy and ppo_kl")
+    kl_ax.set_ylabel("ppo_kl (x)")
+    kl_ax.legend(fontsize=8, loc="lower right")
     _heldout(ax[1, 0], report)
     for a in ax.flat:
         a.grid(alpha=0.3)

@@ -39,7 +39,7 @@ def attach(outputs, finished: dict[str, dict[str, Any]]) -> None:
         for out in batch.outputs:
             if out.finish_reason is not None:
                 out.kv_transfer_params = {**(out.kv_transfer_params or {}),
-                                          KEY: finished.get(out.request_id, FULL_REPORT)}
+                                          KEY: finished.get(out.request_id) or dict(FULL_REPORT)}
 
 
 def take_from_outputs(request_states, outputs) -> None:

@@ -209,6 +209,9 @@ def step_record(step: int, data: dict, events: list[dict], samples: int, trainer
         "logprob_check": ({k: checks[-1].get(k) for k in ("max_abs_diff", "control_max_abs_diff", "error")
                            if checks[-1].get(k) is not None} if checks else None),
         "actor_loss": _float(data.get("actor/pg_loss")),
+        # the update's own diagnostics (verl's names): under learner replay an on-policy update's forward sees
+        # the deaths the old log-probs were scored with, so its ppo_kl is ~0 and nothing is clipped
+        **{name: _first(data, *keys) for name, keys in UPDATE_METRICS.items()},
         "reward_mean": _float(data.get("critic/score/mean")),
         # GRPO learns only from groups whose rewards differ: 0 when every group's reward was constant
         "advantage_abs_max": max((abs(v) for v in (_float(data.get("critic/advantages/max")),
@@ -218,6 +221,17 @@ def step_record(step: int, data: dict, events: list[dict], samples: int, trainer
         "seconds": _float(data.get("timing_s/step")),
         "rollout_seconds": _float(data.get("timing_s/gen")),
     }
+
+
+UPDATE_METRICS = {   # step record field -> verl metric names (v1 and v0 trainers, engine and legacy workers)
+    "pg_loss": ("actor/pg_loss",), "grad_norm": ("actor/grad_norm",), "ppo_kl": ("actor/ppo_kl",),
+    "clipfrac": ("actor/pg_clipfrac",), "kl_loss": ("actor/kl_loss", "kl_loss"), "entropy": ("actor/entropy",),
+    "update_seconds": ("timing_s/update_actor",),
+}
+
+
+def _first(data: dict, *keys: str) -> float | None:
+    return next((_float(data[k]) for k in keys if k in data), None)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
