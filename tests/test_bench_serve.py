@@ -106,3 +106,30 @@ def test_server_ports_are_outside_the_ephemeral_range_and_skip_taken_ones(monkey
         monkeypatch.setattr(servers, "PORT_RANGE", range(busy, busy + 1))
         with pytest.raises(RuntimeError, match="no free port"):
             servers.free_port()
+
+
+def test_counters_are_refused_when_an_engine_did_not_answer(monkeypatch):
+    """An engine whose load poll or eviction counters failed keeps its last numbers in /v1/kvtier/stats: the
+    benchmark retries, then refuses, rather than record a difference of 0 (seen once: an `auto` arm with
+    0 preemptions and 0 eviction events on a loaded machine)."""
+    from types import SimpleNamespace
+
+    from kvtier.benchmarks import serve
+
+    answers = [{"engines": {"cpu": {"preemptions": 3, "error": "TimeoutError: ", "eviction": {"events": 0}}}},
+               {"engines": {"cpu": {"preemptions": 5, "error": None, "eviction": {"error": "GetTimeoutError"}}}},
+               {"engines": {"cpu": {"preemptions": 7, "error": None, "eviction": {"events": 40}}}}]
+    calls = []
+
+    def fake_get(url, params=None, timeout=None):
+        calls.append(url)
+        return SimpleNamespace(json=lambda: answers[min(len(calls), len(answers)) - 1])
+
+    monkeypatch.setattr(serve.httpx, "get", fake_get)
+    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    server = SimpleNamespace(url="http://x")
+    assert serve.counters("auto", server) == (7.0, 40.0) and len(calls) == 3    # the third answer is whole
+    answers[2] = answers[0]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="cpu: TimeoutError"):
+        serve.counters("auto", server)

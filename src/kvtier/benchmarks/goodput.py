@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .serve import counters, kvtier_config
+from .serve import counters, kvtier_config, kvtier_stats
 from .servers import EngineSettings, ServerProcess, start_kvtier, start_stock, stop_servers_on_signals
 
 
@@ -121,9 +121,7 @@ def elastic_counts(kind: str, server: ServerProcess) -> tuple[float | None, dict
     budget they ended with, over all tiers); (None, None) for stock."""
     if kind == "stock":
         return None, None
-    import httpx
-
-    stats = httpx.get(server.url + "/v1/kvtier/stats", params={"eviction": "true"}, timeout=30).json()
+    stats = kvtier_stats(server)
     engines = stats["engines"]
     ends: dict[str, int] = {}
     for row in stats["router"].get("final_budgets", []):

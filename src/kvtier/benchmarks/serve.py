@@ -74,9 +74,25 @@ def counters(arm: str, server: ServerProcess) -> tuple[float | None, float | Non
     if arm == "rayllm":
         time.sleep(12)
         return prometheus_sum(server.metrics_url, "ray_vllm_num_preemptions_total"), None
-    engines = httpx.get(server.url + "/v1/kvtier/stats", params={"eviction": "true"}, timeout=30).json()["engines"]
+    engines = kvtier_stats(server)["engines"]
     return (float(sum(e.get("preemptions", 0) for e in engines.values())),
             float(sum((e.get("eviction") or {}).get("events", 0) for e in engines.values())))
+
+
+def kvtier_stats(server: ServerProcess, attempts: int = 5, wait_s: float = 2.0) -> dict:
+    """A kvtier server's /v1/kvtier/stats?eviction=true in which every engine answered this time: its load
+    poll and its eviction counters. An engine that did not answer keeps its last polled numbers there,
+    which would make a counter's difference 0 without a word, so the call is retried and then refused."""
+    why = ""
+    for _ in range(attempts):
+        stats = httpx.get(server.url + "/v1/kvtier/stats", params={"eviction": "true"}, timeout=30).json()
+        failed = {name: e.get("error") or (e.get("eviction") or {}).get("error") for name, e in stats["engines"].items()}
+        failed = {name: err for name, err in failed.items() if err}
+        if not failed:
+            return stats
+        why = "; ".join(f"{name}: {err}" for name, err in failed.items())
+        time.sleep(wait_s)
+    raise RuntimeError(f"kvtier stats: engines did not answer {attempts} times, so their counters are unknown ({why})")
 
 
 def ttft_breakdown(server: ServerProcess, since: float, mean_ttft_ms: float) -> dict:
