@@ -84,6 +84,8 @@ def test_bench_goodput_stock_and_two_kvtier_arms(tmp_path):
     # every answer's final budget, from its usage.kvtier: full attention, or the fixed tier's K
     assert arms["full"]["final_budgets"] == {"full": 4} and arms["k512"]["final_budgets"] == {"512": 4}
     assert arms["stock"]["final_budgets"] is None
+    # the machine's speed just before and after each arm (a drift between arms shows in the JSON)
+    assert all(len(a["speed_probe_ms"]) == 2 and min(a["speed_probe_ms"]) > 0 for a in arms.values()), arms
 
 
 def test_load_sweep_runs_every_arm_at_every_load_and_plots(tmp_path, monkeypatch):

@@ -45,3 +45,27 @@ def machine_and_commit() -> dict:
         commit = None
     return {"machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "isa": _isa(),
                         "python": platform.python_version(), **versions}, "commit": commit}
+
+
+def speed_probe_ms(repeats: int = 5) -> float:
+    """How fast this machine runs right now: the median of `repeats` timings of a fixed float32 matmul
+    workload on one thread, in ms. Benchmarks record it around each arm, so a machine whose speed drifted
+    while arms ran one after another (a VM's neighbours) shows in the JSON instead of in the ratios."""
+    import statistics
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.ones(192, 192)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(40):
+                a = torch.tanh(a @ a * 1e-3)
+            times.append((time.perf_counter() - t0) * 1000)
+        return round(statistics.median(times), 2)
+    finally:
+        torch.set_num_threads(threads)

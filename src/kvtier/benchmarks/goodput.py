@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .environment import speed_probe_ms
 from .serve import counters, kvtier_config, kvtier_stats
 from .servers import EngineSettings, ServerProcess, start_kvtier, start_stock, stop_servers_on_signals
 
@@ -95,8 +96,10 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
     headers = {} if arm in ("stock", "auto") else {"x-kvtier-tier": arm}
     kind = "stock" if arm == "stock" else "kvtier"
     before, (tight0, ends0) = counters(kind, server), elastic_counts(kind, server)
+    probe0 = speed_probe_ms()
     with contextlib.redirect_stdout(io.StringIO()):
         r = vllm_bench(bench_args(settings, server, dataset, len(tasks), concurrency, max_tokens, headers, seed))
+    probe1 = speed_probe_ms()
     after, (tight1, ends1) = counters(kind, server), elastic_counts(kind, server)
     errors = list(r.get("errors") or [""] * len(tasks))
     per = []
@@ -111,6 +114,7 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
             "preemptions": None if after[0] is None else after[0] - (before[0] or 0.0),
             "eviction_events": None if after[1] is None else after[1] - (before[1] or 0.0),
             "tightenings": None if tight1 is None else tight1 - (tight0 or 0.0),
+            "speed_probe_ms": [probe0, probe1],   # the machine's speed just before and after (environment.py)
             # requests answered by the budget they ended with (usage.kvtier; "full": full attention to the end)
             "final_budgets": None if ends1 is None else
             {b: n - ends0.get(b, 0) for b, n in sorted(ends1.items()) if n > ends0.get(b, 0)}}
@@ -158,7 +162,8 @@ def summarize_arm(raw: dict, full: dict | None) -> dict:
            "ttft_ms": round(raw["ttft_ms"], 1), "ttft_p99_ms": round(raw["ttft_p99_ms"], 1),
            "e2el_ms": round(raw["e2el_ms"], 1), "e2el_p99_ms": round(raw["e2el_p99_ms"], 1),
            "preemptions": raw["preemptions"], "eviction_events": raw["eviction_events"],
-           "tightenings": raw.get("tightenings"), "final_budgets": raw.get("final_budgets"), "failed": raw["failed"]}
+           "tightenings": raw.get("tightenings"), "final_budgets": raw.get("final_budgets"), "failed": raw["failed"],
+           "speed_probe_ms": raw.get("speed_probe_ms")}
     if full is not None:
         theirs = {p["pid"]: p["output_tokens"] for p in full["per_problem"]}
         shared = [p for p in per if p["pid"] in theirs]
