@@ -28,18 +28,19 @@ def wait_for(what: str, check, timeout: float = 90):
     raise AssertionError(f"{what}: not satisfied after {timeout} s (last: {last})")
 
 
-def settled(prom, expr: str, quiet_s: float = 4, timeout: float = 60) -> float:
-    """The value of expr once it has not changed for quiet_s (everything done so far is exported)."""
+def settled(prom, exprs: list[str], quiet_s: float = 4, timeout: float = 60) -> dict[str, float]:
+    """The values of exprs once none has changed for quiet_s (everything done so far is exported), waited
+    for together."""
     t0 = time.time()
-    value, since = prom.value(expr), time.time()
+    values, since = {e: prom.value(e) for e in exprs}, time.time()
     while time.time() - t0 < timeout:
         time.sleep(1)
-        now = prom.value(expr)
-        if now != value:
-            value, since = now, time.time()
+        now = {e: prom.value(e) for e in exprs}
+        if now != values:
+            values, since = now, time.time()
         elif time.time() - since >= quiet_s:
-            return value or 0.0
-    raise AssertionError(f"{expr} did not settle in {timeout} s")
+            return {e: v or 0.0 for e, v in values.items()}
+    raise AssertionError(f"{exprs} did not settle in {timeout} s")
 
 
 def empty_panel_queries(prom, queries, timeout: float = 60) -> list[tuple[str, str]]:

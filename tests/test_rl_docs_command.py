@@ -73,3 +73,7 @@ def test_docs_rl_command_runs_as_written(tmp_path):
     data = steps[-1]
     assert data["rollout/kvtier/eviction_events/mean"] > 0, sorted(k for k in data if "kvtier" in k)
     assert data["rollout/kvtier/compressed_fraction"] == 1.0
+    # the dense learner (verl's own engine, the config's default): nothing of kvtier's learner replay ran
+    from kvtier.rollout.learner_replay import LEARNER_METRICS
+
+    assert not any(k.startswith(f"{LEARNER_METRICS}/") for k in data), sorted(k for k in data if "replay" in k)

@@ -485,8 +485,8 @@ def test_rollout_dashboard_reads_the_samples_from_a_live_prometheus(rollout):
         pytest.skip("Debian's prometheus is not installed (make system-deps)")
     tokens, lengths = "sum(ray_kvtier_rollout_generation_tokens_total)", "ray_kvtier_rollout_response_length_tokens"
     evictions = "ray_kvtier_rollout_evictions_per_sample"
-    before = {e: settled(prom, e) for e in (tokens, f"sum({lengths}_count)", f"sum({lengths}_sum)",
-                                           f"sum({evictions}_count)", f"sum({evictions}_sum)")}
+    before = settled(prom, [tokens, f"sum({lengths}_count)", f"sum({lengths}_sum)", f"sum({evictions}_count)",
+                            f"sum({evictions}_sum)"])
     out = rollout.generate_sequences(chat_batch(CHAT_PROMPTS))
     n = len(CHAT_PROMPTS)
     generated = int(out.batch["response_mask"].sum())
