@@ -1,7 +1,7 @@
 """`kvtier bench serve` end to end at a tiny size: stock vLLM's OpenAI server and kvtier serve (tier `full`
-by header, and kvtier's routing) driven by vLLM's own serving benchmark, on a pool too small for the
-stock server (it must preempt) but not for the compressed tier (it must evict instead). No timing is
-asserted: speed claims come from the benchmark runs (results/serve-*.json)."""
+by header, and kvtier's routing, cheapest-fit here) driven by vLLM's own serving benchmark, on a pool too
+small for the stock server (it must preempt) but not for the compressed tier (it must evict instead). No
+timing is asserted: speed claims come from the benchmark runs (results/serve-*.json)."""
 
 import json
 
@@ -10,20 +10,32 @@ import yaml
 
 from test_benchmarks import run_json
 
+from kvtier.service.config import DEFAULT_CONFIG
+
 pytest.importorskip("vllm")
 pytest.importorskip("ray.serve")
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
-PROMPTS, OUTPUT = 6, 300
+PROMPTS, OUTPUT = 8, 300
 
 
 def test_bench_serve_stock_vs_kvtier(tmp_path):
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
     # float32 (every arm; what a CPU without AVX512-BF16/AMX runs): 8 MiB = 16 blocks of 128 tokens at 4 KiB
-    # per token; 6 x (32 + 300) tokens need 18 blocks at the end under full attention; tier k128 (r=32)
-    # holds at most 32 + 128 + 64 tokens = 2 blocks per request
+    # per token, 15 usable (vLLM's null block); under full attention 8 requests need 16 blocks once past 128
+    # tokens and 24 at the end, so they preempt unless their starts spread over 170 decode steps (6 requests
+    # preempted only if four reached 256 tokens together: CI once saw none); tier k128 (r=32) holds at most
+    # 32 + 128 + 64 tokens = 2 blocks per request.
+    # Routing: cheapest-fit, so every long request is compressed (k128) and reserve admission rules out
+    # preemption. The default rule (headroom) sends the first requests to full attention while their bounds
+    # fit and the rest to the elastic tier, which can preempt a full-attention request when all of them
+    # grow at once (the load sweep, results/goodput-load-cpu-*.json: auto 3 preemptions against stock's 40)
+    config = yaml.safe_load(open(DEFAULT_CONFIG))
+    config["routing"]["rule"] = "cheapest-fit"
+    (tmp_path / "cheapest-fit.yaml").write_text(yaml.safe_dump(config))
     r = run_json(["bench", "serve", "--arms", "stock,full,auto", "--workloads", "long", "--dtype", "float32",
                   "--long", f"{PROMPTS}x32x{OUTPUT}@{PROMPTS}", "--kv-cache-bytes", "8MiB", "--max-model-len", "1024",
+                  "--config", str(tmp_path / "cheapest-fit.yaml"),
                   "--workdir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)])
     assert json.loads(out.read_text()) == r and plot.stat().st_size > 1000
     assert r["settings"]["max_num_seqs"] == 8            # `auto`: 16 blocks / 2 per k128 request

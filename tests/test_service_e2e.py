@@ -363,7 +363,8 @@ def test_kv_pressure_falls_back_to_a_smaller_budget(service, http):
     assert route_of(probe) == ("full", "no-compressed-fit")
     wait_idle(http)
 
-    # 6 x 1600 prompt tokens = 6 x 13 of the pool's 127 blocks once prefilled (> half), growing to 6 x 16
+    # 6 x 1600 prompt tokens = 13 blocks each once prefilled, growing to 16: more than half of the pool's
+    # 63 blocks (float32 on a CPU without native bf16) or 127 (bfloat16) once four of them run
     def long_full(i):
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": _ids(1600, i + 1), "max_tokens": 400,
                                                "tier": "full", **NO_EOS}, timeout=600)
@@ -371,13 +372,13 @@ def test_kv_pressure_falls_back_to_a_smaller_budget(service, http):
 
     fillers = [run_in_thread(long_full, i) for i in range(6)]
     t0 = time.time()
-    # both conditions: the pool can pass the threshold with five fillers prefilled, before the router
-    # has handed the sixth to the engine (seen in CI: in_flight 5, kv_usage 0.51)
-    while (st := engine_state(http))["kv_usage"] < threshold or st["in_flight"] < 6:
-        assert time.time() - t0 < 120, f"pool never reached {threshold} with 6 in flight: {json.dumps(st)}"
+    # every condition: the pool can pass the threshold with five fillers prefilled before the router has
+    # handed the sixth to the engine (seen in CI: in_flight 5, kv_usage 0.51), or with three while the
+    # fourth's prefill is still being scheduled (seen in CI: running 3, kv_usage 0.52 of 63 blocks)
+    while ((st := engine_state(http))["kv_usage"] < threshold or st["in_flight"] < 6 or st["running"] < 4):
+        assert time.time() - t0 < 120, f"pool never reached {threshold} with 4 running of 6 in flight: {json.dumps(st)}"
         assert all(t.is_alive() for t, _ in fillers), [box for _, box in fillers]
         time.sleep(0.2)
-    assert st["running"] >= 4 and st["in_flight"] == 6, json.dumps(st)
 
     # under pressure: a whole response and a stream, sent together, both through the fallback tier
     def whole():
