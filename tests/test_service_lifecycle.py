@@ -1,5 +1,5 @@
-"""`kvtier serve` stops cleanly: the embedded default config (tiny model, local Ray; once with direct ingress)
-started as a subprocess in its own session, one request served, then SIGTERM (what Kubernetes and process
+"""`kvtier serve` stops cleanly: the embedded default config (tiny model, local Ray: direct ingress; once with
+Serve's proxy) started as a subprocess in its own session, one request served, then SIGTERM (what Kubernetes and process
 managers send) or SIGINT to a background job (which starts with SIGINT ignored). It must exit 0 within 60 s and leave no process of
 its Ray session behind: none of its descendants (Ray's head processes and agents, Serve's controller,
 proxy and replicas, the vLLM engine processes) and nothing whose command line names the session."""
@@ -47,12 +47,13 @@ def _session_processes(session: str) -> list[psutil.Process]:
     return out
 
 
-@pytest.mark.parametrize("sig, background, ingress", [(signal.SIGTERM, False, None), (signal.SIGINT, True, "direct")],
-                         ids=["sigterm", "sigint-background-job-direct-ingress"])
+@pytest.mark.parametrize("sig, background, ingress", [(signal.SIGTERM, False, "proxy"), (signal.SIGINT, True, None)],
+                         ids=["sigterm-proxy-ingress", "sigint-background-job-default-ingress"])
 def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background, ingress):
-    """The embedded default (Serve's proxy on the port, the router at the serving nice value), and
-    `server.ingress: direct` (#27): the router replica itself listens on the port in Serve's
-    throughput-optimized mode, at nice 0 (it does the HTTP work), and records its first chunk's send."""
+    """The embedded default (`server.ingress: auto`, direct on a local Ray with one router, #27/#37): the
+    router replica itself listens on the port in Serve's throughput-optimized mode, at nice 0 (it does the
+    HTTP work), and records its first chunk's send; and `server.ingress: proxy`: Serve's proxy on the port,
+    the router at the serving nice value."""
     config = None
     if ingress is not None:
         import yaml
@@ -105,16 +106,17 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background, in
         # throughput-optimized mode (direct ingress)
         listeners = {c.laddr.port: p for p in procs for c in _listening(p)}
         on_port = _describe(listeners[svc.port])
-        if ingress == "direct":
+        direct = ingress is None
+        if direct:
             assert "ServeReplica:kvtier:KVTierRouter" in on_port, on_port
             assert listeners[svc.port].environ().get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"
         else:
             assert "ProxyActor" in on_port, on_port
         # CPU priority (service/cpu_priority.py): vLLM's processes at nice 0, Serve's and Ray's at 19, the
         # router at 0 when it serves HTTP itself (server.router_nice's default)
-        router_nice = 0 if ingress == "direct" else 19
+        router_nice = 0 if direct else 19
         assert "Ray's and Serve's processes run at nice 19, vLLM's engine processes at 0" in log, log[-3000:]
-        assert ("the router at 0 (server.router_nice)" in log) == (ingress == "direct"), log[-3000:]
+        assert ("the router at 0 (server.router_nice)" in log) == direct, log[-3000:]
         nice = {_describe(p): thread_nices(p) for p in procs}
         assert any("ServeReplica:kvtier:KVTierRouter" in name for name in nice), list(nice)
         for name, values in nice.items():

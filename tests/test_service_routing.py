@@ -67,8 +67,8 @@ def test_bad_configs_name_the_field(patch, needle):
 
 
 @pytest.mark.parametrize("server, direct, router_nice", [
-    ({}, False, 19),                                            # the default: Serve's proxy
-    ({"ingress": "auto"}, True, 0),                             # auto on a local Ray: direct, router at 0
+    ({}, True, 0),                                              # the default, auto, on a local Ray: direct, router at 0
+    ({"ingress": "proxy"}, False, 19),                          # Serve's proxy, router at the serving nice value
     ({"ingress": "auto", "router_replicas": 2}, False, 19),     # auto with two routers: Serve's proxy
     ({"ingress": "auto", "ray_address": "auto"}, False, 19),    # auto on a joined cluster: Serve's proxy
     ({"ingress": "direct", "router_nice": 7}, True, 7),

@@ -196,10 +196,10 @@ class ServerConfig(_Model):
     # How HTTP reaches the router. "proxy": Serve's HTTP proxy forwards to the router deployment (one more
     # Ray hop each way). "direct": Ray Serve's direct ingress in its throughput-optimized mode, the router
     # replica itself listens on `port` (Serve's proxy moves to a free port); a local Ray with one router
-    # replica only. "auto": direct where it can be (a local Ray, one router replica), else proxy. Measured on
-    # this CPU (docs/serving.md): direct takes ~25 ms off the idle mean time to first token but under a
-    # 16-request burst varied from 0.97x to 0.51x stock's tok/s across runs, so the default stays the proxy.
-    ingress: Literal["auto", "proxy", "direct"] = "proxy"
+    # replica only. "auto" (the default): direct where it can be (a local Ray, one router replica), else
+    # proxy. Measured on this CPU in float32, three runs each (docs/serving.md, sixth pass): direct met
+    # issue #27's targets together in 2 runs of 3, the proxy in 1 (its idle TTFT and burst missed).
+    ingress: Literal["auto", "proxy", "direct"] = "auto"
     # "keys": only callers with a tenant's API key, and no start without one configured (fail closed).
     # "open": every caller gets every tier without a key; an explicit choice for local demos, never inferred.
     auth: Literal["keys", "open"] = "keys"

@@ -12,27 +12,17 @@ from typing import AsyncIterator
 
 from .errors import engine_failure, error_type
 from .metrics import RouterMetrics
+from .usage import usage_events
 
 
 def take_usage(item: str, keep_usage_chunk: bool) -> tuple[str, dict | None]:
     """The usage block carried by a chunk of SSE events (the last one wins: usage is cumulative), and the
-    text with the usage-only chunk (`"choices": []`) removed when the client did not ask for usage. Only
-    events carrying a usage object are parsed (pydantic's compact JSON or json.dumps spacing)."""
-    if '"usage":{' not in item and '"usage": {' not in item:   # the common case: a token chunk, no usage
+    text with the usage-only chunk (`"choices": []`) removed when the client did not ask for usage."""
+    events, found = usage_events(item)
+    if not found:
         return item, None
-    usage, kept = None, []
-    for event in item.split("\n\n"):
-        if event.startswith("data: {") and ('"usage":{' in event or '"usage": {' in event):
-            try:
-                data = json.loads(event[len("data: "):])
-            except ValueError:
-                data = {}
-            if isinstance(data.get("usage"), dict):
-                usage = data["usage"]
-                if not keep_usage_chunk and data.get("choices") == []:
-                    continue
-        kept.append(event)
-    return "\n\n".join(kept), usage
+    dropped = set() if keep_usage_chunk else {i for i, data in found if data.get("choices") == []}
+    return "\n\n".join(e for i, e in enumerate(events) if i not in dropped), found[-1][1]["usage"]
 
 
 async def relay_stream(first, gen, engine: str, tier: str, t0: float, wants_usage: bool,

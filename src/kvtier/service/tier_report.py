@@ -12,23 +12,25 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parents[3] / "results"
 
 
-def newest_goodput(model_id: str, results: Path = RESULTS) -> tuple[Path, dict] | None:
-    """(path, JSON) of the newest single-load goodput result measured on `model_id` (by file name: the date;
-    a load sweep, `loads` instead of `arms`, is not a tier's one figure)."""
-    for path in sorted(results.glob("goodput-*.json"), key=lambda p: p.name.rsplit("-cpu-", 1)[-1], reverse=True):
+def _newest(model_id: str, results: Path, pattern: str, key: str) -> tuple[Path, dict] | None:
+    """(path, JSON) of the newest result matching `pattern` (by file name: the date) that has `key` and was
+    measured on `model_id`."""
+    for path in sorted(results.glob(pattern), key=lambda p: p.name.rsplit("-cpu-", 1)[-1], reverse=True):
         data = json.loads(path.read_text())
-        if "arms" in data and data.get("settings", {}).get("model_id") == model_id:
+        if key in data and data.get("settings", {}).get("model_id") == model_id:
             return path, data
     return None
+
+
+def newest_goodput(model_id: str, results: Path = RESULTS) -> tuple[Path, dict] | None:
+    """The newest single-load goodput result on `model_id` (a load sweep, `loads` instead of `arms`, is not
+    a tier's one figure)."""
+    return _newest(model_id, results, "goodput-*.json", "arms")
 
 
 def newest_load_sweep(model_id: str, results: Path = RESULTS) -> tuple[Path, dict] | None:
-    """(path, JSON) of the newest load sweep (`bench goodput --concurrency 1,4,16,64`) on `model_id`."""
-    for path in sorted(results.glob("goodput-load-*.json"), key=lambda p: p.name.rsplit("-cpu-", 1)[-1], reverse=True):
-        data = json.loads(path.read_text())
-        if "loads" in data and data.get("settings", {}).get("model_id") == model_id:
-            return path, data
-    return None
+    """The newest load sweep (`bench goodput --concurrency 1,4,16,64`) on `model_id`."""
+    return _newest(model_id, results, "goodput-load-*.json", "loads")
 
 
 def sweep_lines(cfg, results: Path = RESULTS) -> dict[str, str]:

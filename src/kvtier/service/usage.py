@@ -18,6 +18,23 @@ def prompts_in(payload: dict[str, Any]) -> int:
     return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
 
 
+def usage_events(item: str) -> tuple[list[str], list[tuple[int, dict[str, Any]]]]:
+    """A chunk of SSE text split into its events, and (index, parsed JSON) of the events carrying a usage
+    object (pydantic's compact JSON or json.dumps spacing); no parsing when no event can carry one."""
+    if '"usage":{' not in item and '"usage": {' not in item:   # the common case: a token chunk, no usage
+        return [item], []
+    events, found = item.split("\n\n"), []
+    for i, event in enumerate(events):
+        if event.startswith("data: {") and ('"usage":{' in event or '"usage": {' in event):
+            try:
+                data = json.loads(event[len("data: "):])
+            except ValueError:
+                continue
+            if isinstance(data.get("usage"), dict):
+                found.append((i, data))
+    return events, found
+
+
 def with_final_budget(item: str | dict[str, Any], prompts: int) -> str | dict[str, Any]:
     """`item` (a whole response {"response": body} or SSE text) with `usage.kvtier` added where it carries
     the usage block; anything else unchanged."""
@@ -26,17 +43,11 @@ def with_final_budget(item: str | dict[str, Any], prompts: int) -> str | dict[st
         if isinstance(body, dict) and isinstance(body.get("usage"), dict):
             body["usage"]["kvtier"] = final_budget.pop(str(body.get("id")), prompts)
         return item
-    if '"usage":{' not in item and '"usage": {' not in item:
+    events, found = usage_events(item)
+    usage_chunks = [(i, data) for i, data in found if data.get("choices") == []]   # the stream's usage chunk
+    if not usage_chunks:
         return item
-    events = item.split("\n\n")
-    for i, event in enumerate(events):
-        if not event.startswith("data: {") or ('"usage":{' not in event and '"usage": {' not in event):
-            continue
-        try:
-            data = json.loads(event[len("data: "):])
-        except ValueError:
-            continue
-        if isinstance(data.get("usage"), dict) and data.get("choices") == []:   # the stream's usage chunk
-            data["usage"]["kvtier"] = final_budget.pop(str(data.get("id")), prompts)
-            events[i] = "data: " + json.dumps(data, separators=(",", ":"))
+    for i, data in usage_chunks:
+        data["usage"]["kvtier"] = final_budget.pop(str(data.get("id")), prompts)
+        events[i] = "data: " + json.dumps(data, separators=(",", ":"))
     return "\n\n".join(events)
