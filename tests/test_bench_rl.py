@@ -1,5 +1,6 @@
 """`kvtier bench rl` without running it (each arm is a verl training run; the runs are in results/): the arms'
-settings, the report's ratios and the plot from a report of the committed shape."""
+settings, the pooled held-out accuracy over seeds, the report's ratios and the plot from a report of the
+committed shape."""
 
 from __future__ import annotations
 
@@ -8,23 +9,40 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.benchmarks.rl import RLBenchShape, arm_overrides, ratios, step_row
+from kvtier.benchmarks.rl import RLBenchShape, arm_spec, pooled_heldout, ratios, step_row
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
-def test_arms_differ_only_in_budget_learner_and_rejection():
-    shape = RLBenchShape(steps=5, budget=256)
-    full, dense, replay = (arm_overrides(a, shape) for a in ("full", "dense", "replay"))
-    assert (full[0], full[1]) == (None, "dense")
-    assert (dense[0], dense[1]) == (256, "dense") and (replay[0], replay[1]) == (256, "replay")
-    save = ["trainer.save_freq=5", "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"]
-    assert full[2] == dense[2] == replay[2] == save
-    rs = arm_overrides("dense", RLBenchShape(steps=5, rejection="seq_max_k2:0.5"))[2]
-    assert rs[2:] == ["algorithm.rollout_correction.rollout_rs=seq_max_k2",
+def test_arms_differ_only_in_budget_learner_anchors_and_rejection():
+    shape = RLBenchShape(steps=5, budget=256, full_share=0.25)
+    full, dense, replay, fullref, share, anchor = (arm_spec(a, shape, seed=2) for a in (
+        "full", "dense", "replay", "replay-fullref", "replay-share", "replay-anchor"))
+    assert (full.budget, full.learner) == (None, "dense")
+    assert (dense.budget, dense.learner) == (256, "dense") and (replay.budget, replay.learner) == (256, "replay")
+    assert [(a.ref_attention, a.full_share) for a in (replay, fullref, share, anchor)] == [
+        ("replay", 0.0), ("full", 0.0), ("replay", 0.25), ("full", 0.25)]
+    save = ["trainer.save_freq=5", "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]", "data.seed=2"]
+    assert all(a.extra == save for a in (full, dense, replay, fullref, share, anchor))
+    rs = arm_spec("dense", RLBenchShape(steps=5, rejection="seq_max_k2:0.5")).extra
+    assert rs[3:] == ["algorithm.rollout_correction.rollout_rs=seq_max_k2",
                       "algorithm.rollout_correction.rollout_rs_threshold=0.5"]
     with pytest.raises(ValueError, match="arm must be one of"):
-        arm_overrides("sparse", shape)
+        arm_spec("sparse", shape)
+
+
+def test_heldout_pools_seeds_problem_by_problem():
+    """Two seeds' final checkpoints on the same 4 held-out problems: the pooled accuracy is over all 8
+    answers, its CI resamples problems (a problem's seeds move together)."""
+    a = {"evicted": {"problems": {"p0": True, "p1": True, "p2": False, "p3": False}},
+         "full": {"problems": {f"p{i}": True for i in range(4)}}}
+    b = {"evicted": {"problems": {"p0": True, "p1": False, "p2": False, "p3": False}},
+         "full": {"problems": {f"p{i}": True for i in range(4)}}}
+    pooled = pooled_heldout([a, b])
+    assert pooled["evicted"]["accuracy"] == 0.375 and pooled["evicted"]["n"] == 8 and pooled["evicted"]["seeds"] == 2
+    lo, hi = pooled["evicted"]["ci"]
+    assert 0.0 <= lo < 0.375 < hi <= 0.75      # per-problem means 1, .5, 0, 0: no resample exceeds 0.75
+    assert pooled["full"] == {"accuracy": 1.0, "ci": [1.0, 1.0], "n": 8, "seeds": 2}
 
 
 def _report() -> dict:
@@ -38,13 +56,14 @@ def _report() -> dict:
     held = {"start": {"evicted": {"accuracy": 0.2, "ci": [0.1, 0.3]}, "full": {"accuracy": 1.0, "ci": [1.0, 1.0]}}}
     held["end"] = held["start"]
     return {"budget": 256, "arms": {
-        "full": {"steps": [rec(1, 1.0, 30.0, 1.0), rec(2, 1.0, 30.0, 1.0)], "heldout": held},
-        "dense": {"steps": [rec(1, 0.2, 15.0, 0.5), rec(2, 0.3, 15.0, 0.6)], "heldout": held},
-        "replay": {"steps": [rec(1, 0.2, 12.0, 1.0), rec(2, 0.4, 12.0, 1.0)], "heldout": held}}}
+        "full": {"seeds": [{"seed": 0, "steps": [rec(1, 1.0, 30.0, 1.0), rec(2, 1.0, 30.0, 1.0)]}], "heldout": held},
+        "dense": {"seeds": [{"seed": 0, "steps": [rec(1, 0.2, 15.0, 0.5), rec(2, 0.3, 15.0, 0.6)]}], "heldout": held},
+        "replay": {"seeds": [{"seed": s, "steps": [rec(1, 0.2, 12.0, 1.0), rec(2, 0.4, 12.0, 1.0)]}
+                             for s in range(2)], "heldout": held}}}
 
 
 def test_step_rows_carry_the_updates_diagnostics():
-    row = _report()["arms"]["dense"]["steps"][1]
+    row = _report()["arms"]["dense"]["seeds"][0]["steps"][1]
     assert {k: row[k] for k in ("grad_norm", "ppo_kl", "clipfrac", "pg_loss", "entropy", "update_seconds")} == {
         "grad_norm": 0.1, "ppo_kl": 0.0, "clipfrac": 0.0, "pg_loss": -0.01, "entropy": 0.4, "update_seconds": 20.0}
     assert step_row({"step": 1})["kl_loss"] is None      # a run that logged no KL loss: None, not a crash
@@ -60,22 +79,28 @@ def test_plot_writes_a_png(tmp_path):
 
     out = plot_rl(_report(), tmp_path / "rl.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    old = json.loads(sorted(RESULTS.glob("rl-cpu-2026-12-02.json"))[0].read_text())   # a report from before seeds
+    assert plot_rl(old, tmp_path / "old.png").exists()
 
 
 def test_committed_result_has_the_issue_shape():
-    """results/rl-cpu-*.json: every arm's steps carry the issue's fields; held-out start/end, evicted and full."""
+    """results/rl-cpu-*.json: every arm's runs (one per seed, or the arm itself before seeds) carry the issue's
+    step fields; held-out start/end, evicted and full."""
+    from kvtier.benchmarks.rl_plot import arm_runs
+
     files = sorted(RESULTS.glob("rl-cpu-*.json"))
     if not files:
         pytest.skip("no committed kvtier bench rl result")
     report = json.loads(files[-1].read_text())
-    assert set(report["arms"]) == {"full", "dense", "replay"} and report["budget"] > 0
+    assert {"full", "dense", "replay"} <= set(report["arms"]) and report["budget"] > 0
     for arm in report["arms"].values():
-        for s in arm["steps"]:
-            assert {"step", "reward_mean", "seconds", "rollout_seconds", "token_ratio_min", "token_ratio_p01",
-                    "share_below_0_86"} <= set(s)
+        for run in arm_runs(arm):
+            for s in run["steps"]:
+                assert {"step", "reward_mean", "seconds", "rollout_seconds", "token_ratio_min", "token_ratio_p01",
+                        "share_below_0_86"} <= set(s)
+            assert set(run["logprob_agreement"]) == {"kl", "max_abs_log_ratio"}
         for when in ("start", "end"):
             assert {"evicted", "full"} <= set(arm["heldout"][when])
-        assert set(arm["logprob_agreement"]) == {"kl", "max_abs_log_ratio"}
 
 
 def _composed(**kwargs):
@@ -97,9 +122,22 @@ def test_learner_dtype_reaches_verls_actor_and_reference_configs():
         cfg = _composed(learner_dtype=dtype) if dtype != "fp32" else _composed()
         for role in (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref):
             assert role.fsdp_config.mixed_precision.param_dtype == dtype
-    assert RLBenchShape().learner_dtype == "bf16"   # the committed bench runs' setting
+    assert RLBenchShape().learner_dtype == "fp32"   # results/rl-cpu-2026-12-02.json ran bf16 (its shape says)
     with pytest.raises(ValueError, match="learner_dtype must be one of"):
         _composed(learner_dtype="fp16")
+
+
+def test_the_anchors_reach_verls_config():
+    """`kvtier_replay_full_ref` for the actor's model (verl copies it for the reference), the share in the
+    rollout's custom block, the KL coefficient in the actor's."""
+    cfg = _composed(learner="replay", ref_attention="full", full_share=0.5, kl_coef=0.02)
+    assert cfg.actor_rollout_ref.model.model_type == "kvtier_replay_full_ref"
+    assert cfg.actor_rollout_ref.rollout.custom.kvtier.full_share == 0.5
+    assert cfg.actor_rollout_ref.actor.kl_loss_coef == 0.02 and cfg.actor_rollout_ref.actor.use_kl_loss
+    from kvtier.rollout.settings import KVTierRolloutSettings
+
+    settings = KVTierRolloutSettings.from_rollout_config(cfg.actor_rollout_ref.rollout)
+    assert settings.full_attention_samples(cfg.actor_rollout_ref.rollout.n) == 1       # n=2: one of each kind
 
 
 def test_bench_refuses_a_bad_learner_dtype_before_any_work(tmp_path):

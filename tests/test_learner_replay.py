@@ -159,6 +159,24 @@ def test_mismatch_metrics_by_hand():
     assert m["m/token_ratio_p05"] == pytest.approx(float(torch.quantile(ratios, 0.05)))
 
 
+def test_groups_with_signal_from_the_v1_transfer_queue():
+    """#38 item 1: how many GRPO groups had rewards that differ, read as the kvtier_<mode> trainers read the
+    step's samples (padding left out; rm_scores are token-level, nested)."""
+    from types import SimpleNamespace
+
+    from kvtier.rollout.trainer_hooks import v1_eviction_metrics
+
+    uids = ["a", "a", "b", "b", "c", "c", "c"]
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]           # the last "c" is padding: group c has no signal
+    scores = torch.nested.nested_tensor([torch.tensor([0.0] * 3 + [r]) for r in rewards], layout=torch.jagged)
+    store = {"extra_fields": [{} for _ in uids], "uid": uids, "rm_scores": scores}
+    meta = SimpleNamespace(keys=[str(i) for i in range(7)], partition_id="train",
+                           tags=[{}] * 6 + [{"is_padding": True}])
+    got = v1_eviction_metrics(meta, kv_batch_get=lambda keys, partition_id, select_fields: {
+        k: store[k] for k in select_fields})
+    assert got["rollout/kvtier/grpo/groups"] == 3.0 and got["rollout/kvtier/grpo/groups_with_signal"] == 1.0
+
+
 def test_p05_and_share_below_0_86_read_one_criterion():
     """Sparrow's criterion two ways: p05 >= 0.86 when at most 5% of the tokens are below 0.86 (away from the
     boundary, where the quantile's interpolation decides)."""
@@ -179,7 +197,7 @@ def test_smoke_step_record_reads_the_learner_entries_of_both_trainers():
     """`kvtier rl smoke`'s per-step record: the mismatch and replayable entries under each trainer's prefix
     (v1: rollout/kvtier/..., v0: timing_s/rollout/kvtier/...), and nothing from the other's; the learner's own
     replay shares (verl's actor metrics, either trainer) apart from the rollout's records."""
-    from kvtier.rollout.cpu.rl_smoke import step_record
+    from kvtier.rollout.cpu.rl_smoke_records import step_record
 
     data = {"timing_s/rollout/kvtier/replayable/replayed": 8.0, "timing_s/rollout/kvtier/mismatch/kl": 1e-5,
             "rollout/kvtier/replayable/full": 3.0, "rollout/kvtier/mismatch/token_ratio_p01": 0.5,

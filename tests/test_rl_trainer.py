@@ -3,10 +3,12 @@
 in a subprocess, and prints one JSON line per step plus a summary. Two runs, every claim checked from their
 JSON (the dense learner's one step runs as docs/rl.md writes it: tests/test_rl_docs_command.py):
 
-`kvtier rl smoke --steps 1 --trainer v0 --learner replay` on the tiny model (K=64, r=16, 200-token
-responses, lr 1e-3): verl's v0 trainer (`trainer.use_v1=false`: RayPPOTrainer, DataProto): kvtier's
-eviction metrics logged as `timing_s/rollout/kvtier/...`, eviction in the step, rollout-correction metrics
-finite, its actor replaying each sample's eviction (verl's rollout-vs-old KL is numerics only); a weight sync
+`kvtier rl smoke --steps 1 --trainer v0 --learner replay --ref-attention full --full-share 0.5` on the tiny
+model (K=64, r=16, 200-token responses, lr 1e-3): verl's v0 trainer (`trainer.use_v1=false`: RayPPOTrainer,
+DataProto): kvtier's eviction metrics logged as `timing_s/rollout/kvtier/...`, eviction in the step,
+rollout-correction metrics finite, its actor replaying each evicted sample's eviction (verl's rollout-vs-old KL
+is numerics only), one sample of each group at full attention, the reference at full attention (the first
+step's KL loss is what eviction changes, where the replayed reference of the v1 run gives ~0); a weight sync
 from the FSDP actor to the kvtier engine at start-up and after the step (versions strictly increasing), and
 after every sync the engine's full-attention log-probs matching transformers on the weights just sent (and
 not the initial checkpoint's, once trained: the control).
@@ -39,6 +41,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 V0_STEPS = 1   # (2, and a third run of the v1 trainer with a dense learner, until the suite's time: issue #38)
 # engine (bf16 kernels) vs transformers (fp32) on the same weights: the tolerance tests/test_rollout.py uses
 LOGPROB_TOL = 0.06
+# the first step's KL loss against a full-attention reference, with half the tiny model's samples evicted
+KL_FLOOR = 1e-3
 
 
 def _kvtier_cmd() -> list[str]:
@@ -62,7 +66,8 @@ def _run_smoke(work: Path, steps: int, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def smoke_v0(tmp_path_factory):
     """verl's v0 trainer (`trainer.use_v1=false`: RayPPOTrainer, DataProto, hybrid engine), 2 steps."""
-    return _run_smoke(tmp_path_factory.mktemp("rl-smoke-v0"), V0_STEPS, "--trainer", "v0", "--learner", "replay")
+    return _run_smoke(tmp_path_factory.mktemp("rl-smoke-v0"), V0_STEPS, "--trainer", "v0", "--learner", "replay",
+                      "--ref-attention", "full", "--full-share", "0.5")
 
 
 REPLAY_STEPS = 2
@@ -145,10 +150,16 @@ def test_v0_trainer_logs_eviction_and_rollout_correction_metrics(smoke_v0):
     # verl's k1 KL (signed) reached 1.05e-3 in one run, its k3 KL 1.8e-4; tests/test_rollout.py checks on this
     # model that a dense learner is far off (> 0.3 in some token's log-prob)
     for s in steps:
-        assert s["rollout_replayable"]["replayed"] == 8 and sum(s["rollout_replayable"].values()) == 8, s
-        # the update's own forwards replayed every sample (a dense fallback inside update_actor would show here)
-        assert s["learner_replay_share"]["replayed"] == 1.0, s["learner_replay_share"]
+        # --full-share 0.5 of groups of 2: the first sample of each of the 4 groups ran at full attention
+        assert s["rollout_replayable"]["replayed"] == 4 and s["rollout_replayable"]["full"] == 4, s
+        assert sum(s["rollout_replayable"].values()) == 8, s
+        # the update's own forwards replayed every evicted sample (a dense fallback inside update_actor would show)
+        assert s["learner_replay_share"]["replayed"] == 0.5 and s["learner_replay_share"]["full"] == 0.5, s
         assert s["mismatch"]["k3_kl"] < 0.01, s["mismatch"]
+    # #38 item 3: the reference scores at full attention while the actor replays: on the first step (actor ==
+    # reference weights) the KL loss is what eviction changes in the evicted samples' log-probs, far above the
+    # replayed reference's numerics (the v1 run below: < 1e-6)
+    assert steps[0]["kl_loss"] is not None and steps[0]["kl_loss"] > KL_FLOOR, steps[0]
 
 
 def test_replay_learner_agrees_with_the_rollout_on_the_graded_task(smoke_replay):
@@ -180,3 +191,5 @@ def test_replay_learner_agrees_with_the_rollout_on_the_graded_task(smoke_replay)
         assert s["eviction_events"] > 0 and s["actor_loss"] is not None and math.isfinite(s["actor_loss"]), s
         assert 0.0 <= s["reward_mean"] <= 1.0
     assert any(s["advantage_abs_max"] > 0 for s in steps), "every group's reward was constant: no GRPO signal"
+    # the reference replays the same deaths with the same weights on the first step: its KL loss is numerics
+    assert steps[0]["kl_loss"] is not None and abs(steps[0]["kl_loss"]) < 1e-6, steps[0]

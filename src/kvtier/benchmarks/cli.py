@@ -182,7 +182,15 @@ def bench_rollout(
 def bench_rl(
     steps: int = typer.Option(12, help="GRPO steps per arm."),
     arms: str = typer.Option("full,dense,replay", help="full (no eviction), dense (eviction at K, learner sees "
-                             "everything, token TIS), replay (eviction at K, learner under each sample's eviction)."),
+                             "everything, token TIS), replay (eviction at K, learner under each sample's eviction), "
+                             "replay-fullref (replay, reference policy at full attention), replay-share (replay, "
+                             "--full-share of each group at full attention), replay-anchor (both)."),
+    seeds: int = typer.Option(1, help="Runs per arm (seed s: verl's data order); held-out accuracy per seed and "
+                              "pooled."),
+    full_share: float = typer.Option(0.25, "--full-share", help="replay-share / replay-anchor: share of each "
+                                     "GRPO group generated at full attention."),
+    kl_coef: Optional[float] = typer.Option(None, "--kl-coef", help="actor.kl_loss_coef in every arm (default: "
+                                            "kvtier_grpo.yaml's 0.001)."),
     budget: int = typer.Option(256, help="K of the compressed arms."),
     buffer: int = typer.Option(32),
     batch_size: int = typer.Option(4, "--batch-size", help="Prompts per step."),
@@ -197,8 +205,9 @@ def bench_rl(
                                                   "budget otherwise, chains-long 4000)."),
     rejection: Optional[str] = typer.Option(None, help="verl rollout_rs for the dense arm, OPTION:THRESHOLD "
                                             "(e.g. seq_max_k2:0.5)."),
-    learner_dtype: str = typer.Option("bf16", help="The actor's compute dtype (bf16: verl's default, as in the "
-                                      "runs in results/; fp32: ~25x faster backward on CPUs without native bf16)."),
+    learner_dtype: str = typer.Option("fp32", help="The actor's compute dtype (fp32; bf16, verl's default, is "
+                                      "emulated on CPUs without native bf16: ~25x slower backward; "
+                                      "results/rl-cpu-2026-12-02.json ran bf16)."),
     model: Optional[str] = typer.Option(None, help="Start checkpoint (default: the shipped reasoner)."),
     workdir: Path = typer.Option(Path("artifacts/bench-rl"), help="Runs, checkpoints and evaluations."),
     out: Optional[Path] = typer.Option(None, help="Also write the JSON here."),
@@ -218,7 +227,8 @@ def bench_rl(
         response_length = RLBenchShape.response_length if fam.name == "chains" else fam.max_tokens
     shape = RLBenchShape(steps=steps, batch_size=batch_size, n=n, budget=budget, buffer=buffer, lr=lr,
                          kv_cache_mb=kv_cache_mb, heldout=heldout, rejection=rejection, learner_dtype=learner_dtype,
-                         family=fam.name, response_length=response_length)
+                         family=fam.name, response_length=response_length, seeds=seeds, full_share=full_share,
+                         kl_coef=kl_coef)
     report = run_rl_bench(str(Path(model or reasoner_dir()).resolve()), shape, arms.split(","), workdir.resolve(),
                           plot, echo=typer.echo)
     if out is not None:

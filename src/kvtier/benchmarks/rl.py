@@ -8,14 +8,20 @@ chains-long) from the same checkpoint, data and seeds in each arm, at equal KV m
 * `dense`  - random eviction at K, the learner scores with the whole context, today's token TIS
              (`kvtier_grpo.yaml`: rollout_is=token, threshold 2; `--rejection` adds verl's rollout_rs);
 * `replay` - random eviction at K, the learner scores under each sample's own eviction
-             (`rollout.custom.kvtier.learner=replay`, kvtier.rollout.learner_replay).
+             (`rollout.custom.kvtier.learner=replay`, kvtier.rollout.learner_replay);
+* `replay-fullref` - replay, with the reference policy (the KL loss's anchor) at full attention
+             (`model_type=kvtier_replay_full_ref`);
+* `replay-share`   - replay, with `full_share` of each group generated at full attention;
+* `replay-anchor`  - both anchors.
 
-Per step (from verl's logged metrics): reward, step and rollout seconds, the learner-vs-sampler per-token
-ratio's minimum, 1st percentile and share below 0.86 (`rollout/kvtier/mismatch/*`), KL and max |log ratio|.
-Held-out accuracy (the evaluation's own local-chain problems, never in the train split) of the start
-checkpoint and of each arm's final one, greedy, under random eviction at K and at full attention
-(`kvtier eval reasoner`, in a subprocess). Writes one JSON and a plot (reward and held-out accuracy vs
-step and vs wall-clock).
+Each arm runs `seeds` times (seed s sets verl's data order, `data.seed`; sampling and eviction draws are
+unseeded, as in production). Per step (from verl's logged metrics): reward, groups with signal, the update's
+diagnostics, step, rollout and update seconds, the learner-vs-sampler per-token ratio's tails
+(`rollout/kvtier/mismatch/*`). Held-out accuracy (the evaluation's own local-chain problems, never in the train
+split) of the start checkpoint and of each run's final one, greedy, under random eviction at K and at full
+attention (`kvtier eval reasoner`, in a subprocess), per seed and pooled over seeds (problems resampled, a
+problem's seeds moving together). Writes one JSON and a plot (reward and held-out accuracy vs step and vs
+wall-clock).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ARMS = ("full", "dense", "replay")
+from .rl_plot import arm_runs
+
+ARMS = ("full", "dense", "replay", "replay-fullref", "replay-share", "replay-anchor")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -46,24 +54,41 @@ class RLBenchShape:
     kv_cache_mb: int = 24          # equal KV memory in every arm (full attention needs ~39 MB for 16 samples)
     heldout: int = 32              # held-out local-chain problems per evaluation
     rejection: str | None = None   # verl rollout_rs option for the dense arm, e.g. "seq_max_k2:0.5"
-    learner_dtype: str = "bf16"    # the actor's compute dtype (rl_smoke.LEARNER_DTYPES; bf16 as in results/)
+    learner_dtype: str = "fp32"    # the actor's compute dtype (rl_smoke.LEARNER_DTYPES; bf16 is emulated on CPUs
+                                   # without native bf16: results/rl-cpu-2026-12-02.json ran bf16)
     family: str = "chains"         # the task family (kvtier.tasks.chains.FAMILIES): train split and held-out set
+    seeds: int = 1                 # runs per arm (seed s: verl's data order)
+    full_share: float = 0.25       # replay-share / replay-anchor: share of each group at full attention
+    kl_coef: float | None = None   # actor.kl_loss_coef in every arm (None: kvtier_grpo.yaml's 0.001)
 
 
-def arm_overrides(arm: str, shape: RLBenchShape) -> tuple[int | None, str, list[str]]:
-    """(budget, learner, extra Hydra overrides) of one arm."""
-    save = [f"trainer.save_freq={shape.steps}", "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"]
+@dataclass(frozen=True)
+class ArmSpec:
+    budget: int | None
+    learner: str                   # dense | replay
+    extra: list[str]               # Hydra overrides
+    ref_attention: str = "replay"  # replay arms: how the reference scores (rl_smoke.REF_ATTENTIONS)
+    full_share: float = 0.0
+
+
+def arm_spec(arm: str, shape: RLBenchShape, seed: int = 0) -> ArmSpec:
+    """One arm's settings; the arms differ only in budget, learner, anchors and (dense) rejection."""
+    save = [f"trainer.save_freq={shape.steps}", "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
+            f"data.seed={seed}"]
     if arm == "full":
-        return None, "dense", save
+        return ArmSpec(None, "dense", save)
     if arm == "dense":
         extra = []
         if shape.rejection:
             option, _, threshold = shape.rejection.partition(":")
             extra = [f"algorithm.rollout_correction.rollout_rs={option}",
                      f"algorithm.rollout_correction.rollout_rs_threshold={threshold}"]
-        return shape.budget, "dense", save + extra
-    if arm == "replay":
-        return shape.budget, "replay", save
+        return ArmSpec(shape.budget, "dense", save + extra)
+    anchors = {"replay": ("replay", 0.0), "replay-fullref": ("full", 0.0), "replay-share": ("replay", shape.full_share),
+               "replay-anchor": ("full", shape.full_share)}
+    if arm in anchors:
+        ref, share = anchors[arm]
+        return ArmSpec(shape.budget, "replay", save, ref_attention=ref, full_share=share)
     raise ValueError(f"arm must be one of {ARMS}, not {arm!r}")
 
 
@@ -79,7 +104,27 @@ def heldout_accuracy(model: str, shape: RLBenchShape, out: Path) -> dict:
     result = json.loads((out / "reasoner_eval.json").read_text())
     cells = {("full" if c["policy"] == "full" else "evicted"): {"accuracy": c["accuracy"], "ci": c["ci"]}
              for c in result["cells"] if c["kind"] == "local"}
+    for line in (out / "instances.jsonl").read_text().splitlines():   # per problem, for the pooled CI
+        row = json.loads(line)
+        if row["task"] == "local":
+            cond = cells["full" if row["policy"] == "full" else "evicted"]
+            cond.setdefault("problems", {})[row["pid"]] = bool(row["correct"])
     return {**cells, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def pooled_heldout(ends: list[dict]) -> dict:
+    """Held-out accuracy pooled over seeds: each problem's mean over the seeds' final checkpoints, 95%
+    bootstrap CI with problems resampled (kvtier.evaluation.reasoner_eval.accuracy_ci)."""
+    from kvtier.evaluation.reasoner_eval import accuracy_ci
+
+    out = {}
+    for cond in ("evicted", "full"):
+        rows = [{"pid": pid, "correct": ok} for end in ends for pid, ok in (end.get(cond) or {}).get("problems",
+                                                                                                      {}).items()]
+        if rows:
+            out[cond] = {"accuracy": round(sum(r["correct"] for r in rows) / len(rows), 4),
+                         "ci": [round(x, 4) for x in accuracy_ci(rows)], "n": len(rows), "seeds": len(ends)}
+    return out
 
 
 def hf_checkpoint(workdir: Path, steps: int, start_model: str) -> Path:
@@ -103,27 +148,31 @@ def step_row(rec: dict) -> dict:
             "preemptions_mean": rec.get("preemptions_mean"), "rollout_replayable": rec.get("rollout_replayable"),
             "learner_replay_share": rec.get("learner_replay_share"),
             "advantage_abs_max": rec.get("advantage_abs_max"),
+            "groups": rec.get("groups"), "groups_with_signal": rec.get("groups_with_signal"),
             **{k: rec.get(k) for k in ("pg_loss", "grad_norm", "ppo_kl", "clipfrac", "kl_loss", "entropy",
                                        "update_seconds")}}
 
 
-def run_arm(arm: str, model: str, shape: RLBenchShape, workdir: Path, echo=print) -> dict:
+def run_seed(arm: str, model: str, shape: RLBenchShape, workdir: Path, seed: int, echo=print) -> dict:
+    """One training run of `arm`: its steps, seconds, log-prob agreement and final checkpoint."""
     from kvtier.rollout.cpu.rl_smoke import run_smoke
 
-    budget, learner, extra = arm_overrides(arm, shape)
-    work = workdir / arm
+    spec = arm_spec(arm, shape, seed)
+    work = workdir / arm / f"seed{seed}"
     if work.exists():
         shutil.rmtree(work)
     t0 = time.monotonic()
     result = run_smoke(steps=shape.steps, model=model, workdir=str(work), batch_size=shape.batch_size, n=shape.n,
-                       response_length=shape.response_length, budget=budget, buffer=shape.buffer,
+                       response_length=shape.response_length, budget=spec.budget, buffer=shape.buffer,
                        kv_cache_mb=shape.kv_cache_mb, lr=shape.lr, check_tokens=0, timeout=3600, echo=echo,
-                       task=shape.family, learner=learner, extra_overrides=extra, learner_dtype=shape.learner_dtype)
+                       task=shape.family, learner=spec.learner, extra_overrides=spec.extra,
+                       learner_dtype=shape.learner_dtype, ref_attention=spec.ref_attention,
+                       full_share=spec.full_share, kl_coef=shape.kl_coef)
     if result["summary"]["returncode"] != 0:
-        raise RuntimeError(f"arm {arm}: verl's trainer failed (log: {work / 'main_ppo.log'})")
+        raise RuntimeError(f"arm {arm} seed {seed}: verl's trainer failed (log: {work / 'main_ppo.log'})")
     steps = [step_row(r) for r in result["steps"]]
     agreement = [s for s in steps if s["kl"] is not None]
-    return {"budget": budget, "learner": learner, "train_seconds": round(time.monotonic() - t0, 1), "steps": steps,
+    return {"seed": seed, "train_seconds": round(time.monotonic() - t0, 1), "steps": steps,
             "logprob_agreement": {"kl": max(s["kl"] for s in agreement) if agreement else None,
                                   "max_abs_log_ratio": max(s["max_abs_log_ratio"] for s in agreement)
                                   if agreement else None},
@@ -140,19 +189,28 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
         raise ValueError(f"unknown arm(s) {bad}; choose from {ARMS}")
     check_learner_dtype(shape.learner_dtype)   # before the start checkpoint's evaluation, not after it
     task_family(shape.family)                  # ValueError naming the known families, as early
+    if shape.seeds < 1:
+        raise ValueError(f"seeds must be >= 1, not {shape.seeds}")
     workdir.mkdir(parents=True, exist_ok=True)
     start = heldout_accuracy(model, shape, workdir / "heldout-start")
     echo(json.dumps({"heldout_start": start}))
-    report = {"budget": shape.budget, "shape": asdict(shape), "model": model, "device": "cpu", "arms": {}}
+    report = {"budget": shape.budget, "shape": asdict(shape), "model": model, "device": "cpu",
+              "heldout_start": start, "arms": {}}
     for arm in arms:
-        res = run_arm(arm, model, shape, workdir, echo)
-        end = heldout_accuracy(res.pop("checkpoint"), shape, workdir / f"heldout-{arm}")
-        res["heldout"] = {"start": start, "end": end}
-        report["arms"][arm] = res
-        echo(json.dumps({"arm": arm, "heldout_end": end, "logprob_agreement": res["logprob_agreement"]}))
+        spec = arm_spec(arm, shape)
+        runs = []
+        for seed in range(shape.seeds):
+            run = run_seed(arm, model, shape, workdir, seed, echo)
+            end = heldout_accuracy(run.pop("checkpoint"), shape, workdir / f"heldout-{arm}-seed{seed}")
+            run["heldout"] = {"start": start, "end": end}
+            runs.append(run)
+            echo(json.dumps({"arm": arm, "seed": seed, "heldout_end": end, "logprob_agreement": run["logprob_agreement"]}))
+        report["arms"][arm] = {"budget": spec.budget, "learner": spec.learner, "ref_attention": spec.ref_attention,
+                               "full_share": spec.full_share, "seeds": runs,
+                               "heldout": {"start": start, "end": pooled_heldout([r["heldout"]["end"] for r in runs])}}
     report["ratios"] = ratios(report)
     if plot:
-        from .rl_plot import plot_rl
+        from .rl_plot import plot_rl      # matplotlib on demand
 
         plot_rl(report, plot)
     return report
@@ -166,10 +224,10 @@ def _mean(xs) -> float | None:
 def ratios(report: dict) -> dict:
     """Rollout seconds per step of each compressed arm against the full-attention arm (speed-up, x)."""
     arms = report["arms"]
-    full = _mean(s["rollout_seconds"] for s in arms.get("full", {}).get("steps", []))
+    full = _mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
     out = {}
     for name, arm in arms.items():
-        mine = _mean(s["rollout_seconds"] for s in arm["steps"])
+        mine = _mean(s["rollout_seconds"] for r in arm_runs(arm) for s in r["steps"])
         if name != "full" and full and mine:
             out[f"{name}_rollout_speedup_vs_full"] = round(full / mine, 3)
     return out

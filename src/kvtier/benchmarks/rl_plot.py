@@ -7,7 +7,13 @@ from __future__ import annotations
 from itertools import accumulate
 from pathlib import Path
 
-COLORS = {"full": "tab:gray", "dense": "tab:red", "replay": "tab:blue"}
+COLORS = {"full": "tab:gray", "dense": "tab:red", "replay": "tab:blue", "replay-fullref": "tab:purple",
+          "replay-share": "tab:olive", "replay-anchor": "tab:green"}
+
+
+def arm_runs(arm: dict) -> list[dict]:
+    """An arm's runs: its `seeds` (one run per seed), or the arm itself in reports from before seeds."""
+    return arm.get("seeds") or [arm]
 
 
 def plot_rl(report: dict, path: str | Path) -> Path:
@@ -19,19 +25,9 @@ def plot_rl(report: dict, path: str | Path) -> Path:
     fig, ax = plt.subplots(3, 2, figsize=(11, 11))
     kl_ax = ax[2, 1].twinx()
     for name, arm in report["arms"].items():
-        steps = arm["steps"]
         c = COLORS.get(name)
-        xs = [s["step"] for s in steps]
-        reward = [s["reward_mean"] for s in steps]
-        clock = [v / 60 for v in accumulate(s["seconds"] or 0.0 for s in steps)]
-        ax[0, 0].plot(xs, reward, "o-", color=c, label=name)
-        ax[0, 1].plot(clock, reward, "o-", color=c, label=name)
-        ax[1, 1].plot(xs, [s["token_ratio_p01"] for s in steps], "o-", color=c, label=f"{name} p01")
-        ax[1, 1].plot(xs, [s["token_ratio_min"] for s in steps], "x--", color=c, alpha=0.6, label=f"{name} min")
-        series = lambda key: [s.get(key) if s.get(key) is not None else float("nan") for s in steps]  # noqa: E731
-        ax[2, 0].plot(xs, series("grad_norm"), "o-", color=c, label=name)
-        ax[2, 1].plot(xs, series("entropy"), "o-", color=c, label=f"{name} entropy")
-        kl_ax.plot(xs, series("ppo_kl"), "x--", color=c, alpha=0.7, label=f"{name} ppo_kl")
+        for i, run in enumerate(arm_runs(arm)):          # one line per seed, the arm's colour
+            _plot_run(ax, kl_ax, run["steps"], c, name if i == 0 else None)
     ax[0, 0].set(xlabel="GRPO step", ylabel="mean reward (graded)", title="reward vs step")
     ax[0, 1].set(xlabel="wall-clock (min)", ylabel="mean reward", title="reward vs wall-clock")
     ax[1, 1].axhline(0.86, color="k", lw=0.8, ls=":")
@@ -52,6 +48,23 @@ def plot_rl(report: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_run(ax, kl_ax, steps: list[dict], c, name: str | None) -> None:
+    def label(suffix=""):
+        return f"{name}{suffix}" if name else None
+
+    xs = [s["step"] for s in steps]
+    reward = [s["reward_mean"] for s in steps]
+    clock = [v / 60 for v in accumulate(s["seconds"] or 0.0 for s in steps)]
+    series = lambda key: [s.get(key) if s.get(key) is not None else float("nan") for s in steps]  # noqa: E731
+    ax[0, 0].plot(xs, reward, "o-", color=c, label=label())
+    ax[0, 1].plot(clock, reward, "o-", color=c, label=label())
+    ax[1, 1].plot(xs, series("token_ratio_p01"), "o-", color=c, label=label(" p01"))
+    ax[1, 1].plot(xs, series("token_ratio_min"), "x--", color=c, alpha=0.6, label=label(" min"))
+    ax[2, 0].plot(xs, series("grad_norm"), "o-", color=c, label=label())
+    ax[2, 1].plot(xs, series("entropy"), "o-", color=c, label=label(" entropy"))
+    kl_ax.plot(xs, series("ppo_kl"), "x--", color=c, alpha=0.7, label=label(" ppo_kl"))
 
 
 def _heldout(ax, report: dict) -> None:

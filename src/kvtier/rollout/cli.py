@@ -56,10 +56,16 @@ def smoke(
     learner_dtype: str = typer.Option("fp32", help="The actor's and reference's compute dtype: fp32, or bf16 "
                                       "(verl's default; emulated, ~25x slower backward, on CPUs without native "
                                       "bf16)."),
+    ref_attention: str = typer.Option("replay", help="With --learner replay, how the reference policy (the KL "
+                                      "loss's anchor) scores: replay (under each sample's eviction, like the actor) "
+                                      "or full (full attention: model_type=kvtier_replay_full_ref)."),
+    full_share: float = typer.Option(0.0, help="Share of each GRPO group's samples generated at full attention "
+                                     "(rollout.custom.kvtier.full_share; the first round(share * n) of a group)."),
+    kl_coef: Optional[float] = typer.Option(None, help="actor.kl_loss_coef (default: kvtier_grpo.yaml's 0.001)."),
 ) -> None:
     """Run verl's `main_ppo` (GRPO, hybrid engine, v1 or v0 trainer) on kvtier rollouts on CPU; one JSON line
     per step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
-    from .cpu.rl_smoke import LEARNER_DTYPES, TRAINERS, check_task, run_smoke
+    from .cpu.rl_smoke import LEARNER_DTYPES, TRAINERS, check_ref_attention, check_task, run_smoke
 
     if trainer not in TRAINERS:
         raise typer.BadParameter(f"--trainer must be one of {', '.join(TRAINERS)}")
@@ -69,10 +75,17 @@ def smoke(
         raise typer.BadParameter(str(exc), param_hint="--task") from None
     if learner_dtype not in LEARNER_DTYPES:
         raise typer.BadParameter(f"--learner-dtype must be one of {', '.join(LEARNER_DTYPES)}")
+    try:
+        check_ref_attention(ref_attention, learner)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--ref-attention") from None
+    if not 0.0 <= full_share < 1.0:
+        raise typer.BadParameter("a share in [0, 1)", param_hint="--full-share")
     result = run_smoke(steps=steps, model=model, workdir=workdir, batch_size=batch_size, n=n,
                        response_length=response_length, budget=budget, buffer=buffer, lr=lr,
                        check_tokens=check_tokens, timeout=timeout, echo=typer.echo, trainer=trainer, task=task,
-                       learner=learner, learner_dtype=learner_dtype)
+                       learner=learner, learner_dtype=learner_dtype, ref_attention=ref_attention,
+                       full_share=full_share, kl_coef=kl_coef)
     s = result["summary"]
     versions = s["weights_versions"]
     ok = (s["returncode"] == 0 and s["steps"] == steps

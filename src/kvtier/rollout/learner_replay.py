@@ -35,12 +35,21 @@ A GPU user sets, next to `rollout.name=kvtier`:
     actor_rollout_ref.rollout.agent.agent_loop_manager_class=kvtier.rollout.trainer_hooks.KVTierAgentLoopManager
 
 and the replica refuses a `learner` that disagrees with `model_type` (`check_learner_config`).
+
+**The reference at full attention** (`model_type=kvtier_replay_full_ref`, the anchor of issue #38): verl builds
+the reference policy from a copy of the actor's model config, so under `kvtier_replay` its log-probs are
+replayed too and the KL loss anchors only the evicted policy. Under `kvtier_replay_full_ref` the actor still
+replays every sample while the reference scores each one with every key in view: in verl's separate reference
+engine (`engine.forward_only`) and, with LoRA, inside the actor's engine while the adapter is disabled (where
+verl computes the reference). The KL loss then pulls the evicted policy toward the start model's full-attention
+behaviour.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from typing import Any, Mapping
 
 import torch
@@ -49,6 +58,8 @@ from torch import Tensor
 logger = logging.getLogger("kvtier.rollout")
 
 MODEL_TYPE = "kvtier_replay"
+FULL_REF_MODEL_TYPE = "kvtier_replay_full_ref"     # the actor replays; the reference scores at full attention
+MODEL_TYPES = (MODEL_TYPE, FULL_REF_MODEL_TYPE)
 BASE_MODEL_TYPE = "language_model"
 REPLAYABLE_POLICIES = ("random",)       # policies whose records are re-derived (and tested equal to the engine's)
 STATUSES = ("replayed", "full", "rebuilt", "multi_call", "policy", "no_record")
@@ -62,12 +73,12 @@ class ReplayConfigError(ValueError):
 
 def check_learner_config(learner: str, model_type: str | None) -> None:
     """The rollout's `learner` and the actor's `model_type` must say the same thing (raises otherwise)."""
-    replay_engine = model_type == MODEL_TYPE
+    replay_engine = model_type in MODEL_TYPES
     if (learner == "replay") != replay_engine:
         raise ReplayConfigError(
             f"actor_rollout_ref.rollout.custom.kvtier.learner={learner} but actor_rollout_ref.model.model_type="
-            f"{model_type}: learner replay needs model_type={MODEL_TYPE} (the engine that replays), and that "
-            f"engine needs learner=replay")
+            f"{model_type}: learner replay needs model_type={MODEL_TYPE} or {FULL_REF_MODEL_TYPE} (the engines "
+            f"that replay), and those engines need learner=replay")
 
 
 def replay_status(fields: Mapping[str, Any]) -> str:
@@ -204,14 +215,38 @@ def replay_engine_class(base: type) -> type:
             check_engine_config(model_config, engine_config)
             register()
             # the registry has picked this class by model_type; verl builds the module by the base name
+            self._full_ref = getattr(model_config, "model_type", None) == FULL_REF_MODEL_TYPE
+            self._reference_engine = bool(getattr(engine_config, "forward_only", False))
+            self._adapter_disabled = False
             model_config.model_type = BASE_MODEL_TYPE
             super().__init__(model_config, engine_config, *args, **kwargs)
             self._replay_logged = False
+            self._replay_counts = None
+            if self._full_ref and self._reference_engine:
+                logger.warning("kvtier learner replay: the reference policy scores at full attention (%s)",
+                               FULL_REF_MODEL_TYPE)
+
+        def scores_at_full_attention(self) -> bool:
+            """True for the reference's forwards under `kvtier_replay_full_ref`: verl's separate reference
+            engine, or the actor's engine with its LoRA adapter disabled (verl's reference under LoRA)."""
+            return self._full_ref and (self._reference_engine or self._adapter_disabled)
+
+        @contextmanager
+        def disable_adapter(self):
+            with super().disable_adapter():
+                self._adapter_disabled = True
+                try:
+                    yield
+                finally:
+                    self._adapter_disabled = False
 
         def prepare_model_inputs(self, micro_batch):
             from kvtier.deathtime.attention import DEATHS_KWARG
 
             model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+            if self.scores_at_full_attention():
+                self._replay_counts = None
+                return model_inputs, output_args
             hf = self.model_config.hf_config
             ids = model_inputs["input_ids"]
             deaths, counts = micro_batch_deaths(
@@ -233,7 +268,8 @@ def replay_engine_class(base: type) -> type:
             (the learner's own count, not the rollout's records), averaged by verl over micro-batches and
             ranks like its own losses."""
             loss, output = super().forward_step(micro_batch, loss_function, forward_only)
-            output.setdefault("metrics", {}).update(learner_shares(self._replay_counts))
+            if self._replay_counts is not None:           # None: the reference at full attention
+                output.setdefault("metrics", {}).update(learner_shares(self._replay_counts))
             return loss, output
 
     KVTierReplayEngine.__qualname__ = KVTierReplayEngine.__name__
@@ -250,7 +286,8 @@ def register_engine(module) -> None:
     if _REGISTERED:
         return
     cls = replay_engine_class(module.FSDPEngineWithLMHead)
-    EngineRegistry.register(model_type=MODEL_TYPE, backend=["fsdp", "fsdp2"], device=["cuda", "npu", "cpu"])(cls)
+    for model_type in MODEL_TYPES:
+        EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device=["cuda", "npu", "cpu"])(cls)
     _REGISTERED.append(cls)
 
 

@@ -138,3 +138,13 @@ def mismatch_metrics(old_log_probs, rollout_log_probs, response_mask,
             f"{prefix}/token_ratio_p01": float(torch.quantile(ratio, 0.01)),
             f"{prefix}/token_ratio_p05": float(torch.quantile(ratio, TAIL_QUANTILE)),
             f"{prefix}/share_below_0_86": float((ratio < TAIL_RATIO).float().mean())}
+
+
+def group_signal_metrics(uids, scores, prefix: str = "rollout/kvtier") -> dict[str, float]:
+    """GRPO learns only from groups whose rewards differ: `<prefix>/grpo/groups` (prompts in the step) and
+    `<prefix>/grpo/groups_with_signal` (those whose samples' scores are not all equal)."""
+    groups: dict = {}
+    for uid, score in zip(uids, scores):
+        groups.setdefault(uid, []).append(float(score))
+    signal = sum(1 for s in groups.values() if max(s) - min(s) > 1e-6)
+    return {f"{prefix}/grpo/groups": float(len(groups)), f"{prefix}/grpo/groups_with_signal": float(signal)}

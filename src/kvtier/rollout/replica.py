@@ -51,6 +51,7 @@ class KVTierReplica(RolloutReplica):
         self.settings = KVTierRolloutSettings.from_rollout_config(self.config)
         if not (is_reward_model or is_teacher_model):   # only the actor's model config says how the learner scores
             check_learner_config(self.settings.learner, getattr(model_config, "model_type", None))
+            self.settings.full_attention_samples(int(getattr(self.config, "n", 1) or 1))   # refuses a bad share
         self.server_class = ray.remote(KVTierServer)
 
     # -- initialisation -----------------------------------------------------------------------------

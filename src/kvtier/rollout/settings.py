@@ -22,6 +22,9 @@ custom:
                                # prompt: all (the paper's rule) | first_turn (multi-turn: the first turn;
                                # resumed partial rollout: the original prompt) | N (the first N tokens)
     val_budget: full           # validation generations: full (full attention) | K | train (same as training)
+    full_share: 0.0            # share of each GRPO group's training samples generated at full attention
+                               # (the first round(full_share * n) of each group; an anchor, as eviction
+                               # training mixes full-attention samples; needs KVTierAgentLoopManager)
     learner: dense             # dense | replay: the actor's log-probs under each sample's own eviction
                                # (kvtier.rollout.learner_replay; needs model.model_type=kvtier_replay)
 engine_kwargs:
@@ -56,7 +59,7 @@ ENGINE_KWARGS_KEY = "kvtier"
 WORKER_EXTENSION = "kvtier.rollout.worker_ext.KVTierWorkerExtension"
 _SPEC_FIELDS = set(EvictionSpec.model_fields)
 _ENGINE_FIELDS = {"enabled", "admission", "audit_log", "query_window"}
-_ROLLOUT_FIELDS = {"kv_cache_bytes", "server_num_cpus", "protect", "val_budget", "learner"}
+_ROLLOUT_FIELDS = {"kv_cache_bytes", "server_num_cpus", "protect", "val_budget", "learner", "full_share"}
 LEARNERS = ("dense", "replay")
 PROTECT_MODES = ("all", "first_turn")
 
@@ -88,6 +91,17 @@ def _parse_val_budget(value) -> str | int:
                               f"budget K > 0, got {value!r}")
 
 
+def _parse_full_share(value) -> float:
+    try:
+        share = 0.0 if value is None else float(value)
+    except (TypeError, ValueError):
+        share = -1.0
+    if isinstance(value, bool) or not 0.0 <= share < 1.0:
+        raise EvictionConfigError(f"actor_rollout_ref.rollout.custom.kvtier.full_share: expected a share in [0, 1), "
+                                  f"got {value!r}")
+    return share
+
+
 @dataclass(frozen=True)
 class KVTierRolloutSettings:
     eviction: EngineEvictionConfig
@@ -96,6 +110,19 @@ class KVTierRolloutSettings:
     protect: str | int = "all"          # all | first_turn | N
     val_budget: str | int = "full"      # full | train | K
     learner: str = "dense"              # dense | replay (kvtier.rollout.learner_replay)
+    full_share: float = 0.0             # of each group's training samples, the share at full attention
+
+    def full_attention_samples(self, n: int) -> int:
+        """How many of a group of `n` training samples run at full attention (the first ones); raises,
+        naming the field, when a non-zero share rounds to none or to the whole group."""
+        if self.full_share == 0.0 or not self.eviction.enabled or self.eviction.default.budget is None:
+            return 0                    # nothing evicted by default: every sample is at full attention already
+        m = round(self.full_share * n)
+        if not 0 < m < n:
+            raise EvictionConfigError(f"actor_rollout_ref.rollout.custom.kvtier.full_share={self.full_share} with "
+                                      f"rollout.n={n} puts {m} of each group's {n} samples at full attention: choose "
+                                      "a share that leaves at least one of each kind")
+        return m
 
     def validation_request_args(self) -> dict:
         """kvtier_* sampling params for a validation generation ({} = the training default)."""
@@ -123,7 +150,7 @@ class KVTierRolloutSettings:
         return cls(eviction=eviction, kv_cache_bytes=int(kv) if kv is not None else None,
                    server_num_cpus=float(ncpu) if ncpu is not None else None,
                    protect=_parse_protect(raw.get("protect")), val_budget=_parse_val_budget(raw.get("val_budget")),
-                   learner=_parse_learner(raw.get("learner")))
+                   learner=_parse_learner(raw.get("learner")), full_share=_parse_full_share(raw.get("full_share")))
 
     @classmethod
     def from_rollout_config(cls, config) -> "KVTierRolloutSettings":

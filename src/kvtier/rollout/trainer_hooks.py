@@ -38,7 +38,8 @@ import kvtier.rollout.verl_plugin  # noqa: F401
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopWorker
 from verl.utils.ray_utils import auto_await
 
-from .metrics import eviction_metrics, eviction_metrics_from_fields, learner_entries, mismatch_metrics
+from .metrics import (eviction_metrics, eviction_metrics_from_fields, group_signal_metrics, learner_entries,
+                      mismatch_metrics)
 from .sample_counters import apply_totals, counting, counting_client
 from .settings import KVTierRolloutSettings
 
@@ -55,13 +56,23 @@ def validation_args(config) -> dict[str, Any]:
     return KVTierRolloutSettings.from_rollout_config(rollout).validation_request_args()
 
 
+def full_attention_samples(config) -> int:
+    """How many of each group's training trajectories run at full attention (`full_share`, first ones)."""
+    rollout = config.actor_rollout_ref.rollout
+    if getattr(rollout, "name", None) != "kvtier":
+        return 0
+    return KVTierRolloutSettings.from_rollout_config(rollout).full_attention_samples(int(rollout.n))
+
+
 class _KVTierWorker:
     """Mixin for verl's agent-loop workers (`AgentLoopWorker`, `AgentLoopWorkerTQ`); both call
     `_run_agent_loop(sampling_params, trajectory, ...)` once per trajectory, in its own asyncio task, with the
     dict they pass on to the agent loop (and from there to the server), and `_agent_loop_postprocess(output,
     ...)` inside it before the output becomes a batch row.
 
-    * validation trajectories get `val_budget` in their sampling params;
+    * validation trajectories get `val_budget` in their sampling params; of each group of training
+      trajectories, the first `round(full_share * n)` get full attention (verl's v1 workers number a group's
+      samples by `session_id`, its v0 workers by `trajectory["rollout_n"]`);
     * the eviction counters of every generate call of the trajectory (each turn, each resumed attempt) are
       added up into its output's `extra_fields` (`kvtier.rollout.sample_counters`)."""
 
@@ -71,6 +82,11 @@ class _KVTierWorker:
                 self._kvtier_val_args = validation_args(self.config)
             if self._kvtier_val_args:
                 sampling_params = {**sampling_params, **self._kvtier_val_args}
+        else:
+            if not hasattr(self, "_kvtier_full_samples"):
+                self._kvtier_full_samples = full_attention_samples(self.config)
+            if int(kwargs.get("session_id", trajectory.get("rollout_n", 0)) or 0) < self._kvtier_full_samples:
+                sampling_params = {**sampling_params, "kvtier_budget": "full"}
         self.llm_client = counting_client(getattr(self, "llm_client", None))
         with counting():
             return await super()._run_agent_loop(sampling_params, trajectory, *args, **kwargs)
@@ -220,6 +236,13 @@ def v1_eviction_metrics(batch, kv_batch_get=None) -> dict[str, float]:
         out.update(mismatch_metrics(old[rows], rollout[rows], mask[rows]))
     except Exception as exc:  # noqa: BLE001 - a field verl did not write this step (bypass mode, no log-probs)
         logger.info("kvtier: no learner/rollout mismatch metrics this step: %s", exc)
+    try:                                   # groups whose rewards differ (GRPO's signal)
+        g = kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "rm_scores"])
+        uids = g["uid"].tolist() if hasattr(g["uid"], "tolist") else list(g["uid"])
+        scores = _padded(g["rm_scores"]).sum(-1).tolist()
+        out.update(group_signal_metrics([u for u, k in zip(uids, keep) if k], [s for s, k in zip(scores, keep) if k]))
+    except Exception as exc:  # noqa: BLE001
+        logger.info("kvtier: no GRPO group metrics this step: %s", exc)
     return out
 
 

@@ -38,31 +38,38 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from kvtier.tasks.chains import FAMILIES
 
 from . import toy_task
+from .rl_smoke_records import read_jsonl, step_record
 
 EXTERNAL_MODULES = "kvtier.rollout.cpu.verl_platform,kvtier.rollout.verl_plugin,kvtier.rollout.cpu.rl_smoke_hooks"
 TRAINER_MODE = "kvtier_sync"
 TRAINERS = ("v1", "v0")
-IS_MEAN = "rollout_corr/rollout_is_mean"
-KVTIER_METRICS = "rollout/kvtier/"
-# where each trainer logs kvtier's eviction metrics: the v1 `kvtier_<mode>` trainers under their own name,
-# verl's v0 RayPPOTrainer as step timing (`timing_s/<name>`, see kvtier.rollout.trainer_hooks)
-METRIC_PREFIX = {"v1": "", "v0": "timing_s/"}
 # The FSDP actor's and reference's compute dtype (verl's fsdp_config.mixed_precision.param_dtype; verl's default
 # bf16 autocast). On a CPU without native bf16 (AVX2) bf16 matmuls are emulated: the tiny model's backward over
 # 8 x 264 tokens took 49-50 s in bf16 and 2.1 s in fp32 (forward 6.4-6.8 s vs 1.1-1.2 s), so verl's
 # update_actor was ~55 s of a ~75-100 s step. The rollout engine stays bf16 either way.
 LEARNER_DTYPES = ("fp32", "bf16")
+# the reference policy under learner replay: replayed like the actor (kvtier_replay), or at full attention
+# (kvtier_replay_full_ref: the KL loss anchors the start model's full-attention behaviour)
+REF_ATTENTIONS = ("replay", "full")
 
 
 def check_learner_dtype(learner_dtype: str) -> None:
     """ValueError naming the allowed values unless `learner_dtype` is one of LEARNER_DTYPES."""
     if learner_dtype not in LEARNER_DTYPES:
         raise ValueError(f"learner_dtype must be one of {LEARNER_DTYPES}, not {learner_dtype!r}")
+
+
+def check_ref_attention(ref_attention: str, learner: str) -> None:
+    """ValueError unless `ref_attention` is one of REF_ATTENTIONS, and `full` only with learner replay (a dense
+    learner's reference already scores at full attention)."""
+    if ref_attention not in REF_ATTENTIONS:
+        raise ValueError(f"ref_attention must be one of {REF_ATTENTIONS}, not {ref_attention!r}")
+    if ref_attention == "full" and learner != "replay":
+        raise ValueError("ref_attention=full needs learner=replay (a dense learner's reference is at full attention)")
 
 
 def check_task(task: str) -> None:
@@ -74,14 +81,18 @@ def check_task(task: str) -> None:
 def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, batch_size: int, n: int,
               prompt_length: int, response_length: int, budget: int | None, buffer: int, kv_cache_mb: int, lr: float,
               env_vars: dict[str, str], trainer: str = "v1", reward: Path | None = None,
-              learner: str = "dense", learner_dtype: str = "fp32") -> list[str]:
+              learner: str = "dense", learner_dtype: str = "fp32", ref_attention: str = "replay",
+              full_share: float = 0.0, kl_coef: float | None = None) -> list[str]:
     """verl's Hydra overrides; `reward`: the file with `compute_score` (default: the toy task's reward);
     `learner`: dense, or replay (the actor scores each sample under its own eviction,
     kvtier.rollout.learner_replay); `learner_dtype`: the actor's and reference's compute dtype
-    (LEARNER_DTYPES)."""
+    (LEARNER_DTYPES); `ref_attention` (replay only, REF_ATTENTIONS): how the reference policy scores;
+    `full_share`: of each group, the share of samples generated at full attention; `kl_coef`: the KL loss's
+    coefficient (default: kvtier_grpo.yaml's)."""
     check_learner_dtype(learner_dtype)
+    check_ref_attention(ref_attention, learner)
     from kvtier.deathtime import ATTN_NAME
-    from kvtier.rollout.learner_replay import MODEL_TYPE
+    from kvtier.rollout.learner_replay import FULL_REF_MODEL_TYPE, MODEL_TYPE
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     samples = batch_size * n
     out = [
@@ -101,7 +112,8 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         "actor_rollout_ref.model.use_remove_padding=false",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
         f"+actor_rollout_ref.model.override_config.attn_implementation={ATTN_NAME if learner == 'replay' else 'sdpa'}",
-        *([f"+actor_rollout_ref.model.model_type={MODEL_TYPE}"] if learner == "replay" else []),
+        *([f"+actor_rollout_ref.model.model_type={FULL_REF_MODEL_TYPE if ref_attention == 'full' else MODEL_TYPE}"]
+          if learner == "replay" else []),
         f"{a}.strategy=fsdp2",
         "actor_rollout_ref.ref.strategy=fsdp2",
         f"{a}.use_torch_compile=false",
@@ -128,6 +140,8 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         f"{r}.custom.kvtier.buffer={buffer}",
         f"{r}.custom.kvtier.kv_cache_bytes={kv_cache_mb << 20}",
         f"{r}.custom.kvtier.learner={learner}",
+        f"{r}.custom.kvtier.full_share={full_share}",
+        *([f"{a}.kl_loss_coef={kl_coef}"] if kl_coef is not None else []),
         f"++{r}.agent.agent_loop_manager_class=kvtier.rollout.trainer_hooks.KVTierAgentLoopManager",
         # trainer: verl's default v1 trainer (sync mode with kvtier's eviction metrics) or v0's RayPPOTrainer
         "trainer.device=cpu",
@@ -157,99 +171,12 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
     return out
 
 
-def _float(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v
-
-
-def step_record(step: int, data: dict, events: list[dict], samples: int, trainer: str = "v1") -> dict:
-    """One JSON line for a trainer step from its logged metrics and the hooks' events so far."""
-    kv = METRIC_PREFIX[trainer] + KVTIER_METRICS
-    ev_mean = _float(data.get(kv + "eviction_events/mean"))
-    compressed = _float(data.get(kv + "compressed_fraction"))
-    total = None
-    if ev_mean is not None:
-        total = int(round(ev_mean * (compressed if compressed is not None else 1.0) * samples))
-    syncs = [e for e in events if e.get("event") == "update_weights"]
-    version = next((e.get("global_steps") for e in reversed(syncs) if e.get("global_steps") == step), None)
-    checks = [e for e in events if e.get("event") == "logprob_check" and e.get("global_steps") == step]
-    mismatch = {k.removeprefix("rollout_corr/"): v for k, v in data.items()
-                if k.startswith("rollout_corr/") and any(s in k for s in ("kl", "ppl", "chi2"))}
-    from kvtier.rollout.metrics import learner_entries
-
-    from kvtier.rollout.learner_replay import LEARNER_METRICS
-
-    learner, replayable = learner_entries(data, kv.rstrip("/"))
-    shares = {k.removeprefix(f"{LEARNER_METRICS}/").removesuffix("_share"): _float(v) for k, v in data.items()
-              if k.startswith(f"{LEARNER_METRICS}/")}
-    staleness = data.get("training/off_policy/trajectory_staleness/max")
-    return {
-        "step": step,
-        "eviction_events": total,
-        "eviction_events_mean": ev_mean,
-        "tokens_evicted_mean": _float(data.get(kv + "tokens_evicted/mean")),
-        "generate_calls_mean": _float(data.get(kv + "generate_calls/mean")),   # per sample: 1 single-turn
-        "kvtier_metrics": sorted(k for k in data if KVTIER_METRICS in k),
-        "rollout_is_mean": _float(data.get(IS_MEAN)),
-        "rollout_is_max": _float(data.get("rollout_corr/rollout_is_max")),
-        "mismatch": mismatch,
-        # learner (old log-probs) vs sampler (rollout log-probs) per token; how many samples the rollout
-        # returned with a replayable record, and what share of samples the learner's update forwards replayed
-        # (empty for a dense learner: verl's own engine)
-        "learner_vs_rollout": {k: _float(v) for k, v in learner.items()},
-        "rollout_replayable": {k: int(v) for k, v in replayable.items()},
-        "learner_replay_share": shares,
-        "weights_version": version,
-        "rollout_weights_staleness": staleness,
-        "sleeps": sum(e.get("event") == "sleep" for e in events),
-        "wakes": sum(e.get("event") == "wake" and "kv_cache" in (e.get("tags") or []) for e in events),
-        "logprob_check": ({k: checks[-1].get(k) for k in ("max_abs_diff", "control_max_abs_diff", "error")
-                           if checks[-1].get(k) is not None} if checks else None),
-        "actor_loss": _float(data.get("actor/pg_loss")),
-        # the update's own diagnostics (verl's names): under learner replay an on-policy update's forward sees
-        # the deaths the old log-probs were scored with, so its ppo_kl is ~0 and nothing is clipped
-        **{name: _first(data, *keys) for name, keys in UPDATE_METRICS.items()},
-        "reward_mean": _float(data.get("critic/score/mean")),
-        # GRPO learns only from groups whose rewards differ: 0 when every group's reward was constant
-        "advantage_abs_max": max((abs(v) for v in (_float(data.get("critic/advantages/max")),
-                                                  _float(data.get("critic/advantages/min"))) if v is not None),
-                                 default=None),
-        "preemptions_mean": _float(data.get(kv + "preemptions/mean")),
-        "seconds": _float(data.get("timing_s/step")),
-        "rollout_seconds": _float(data.get("timing_s/gen")),
-    }
-
-
-UPDATE_METRICS = {   # step record field -> verl metric names (v1 and v0 trainers, engine and legacy workers)
-    "pg_loss": ("actor/pg_loss",), "grad_norm": ("actor/grad_norm",), "ppo_kl": ("actor/ppo_kl",),
-    "clipfrac": ("actor/pg_clipfrac",), "kl_loss": ("actor/kl_loss", "kl_loss"), "entropy": ("actor/entropy",),
-    "update_seconds": ("timing_s/update_actor",),
-}
-
-
-def _first(data: dict, *keys: str) -> float | None:
-    return next((_float(data[k]) for k in keys if k in data), None)
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
 def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None = None, batch_size: int = 4,
               n: int = 2, prompt_length: int = 64, response_length: int = 200, budget: int | None = 64, buffer: int = 16,
               kv_cache_mb: int = 64, lr: float = 1e-3, check_tokens: int = 16, timeout: float = 1800,
               echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1", task: str = "toy",
-              learner: str = "dense", learner_dtype: str = "fp32") -> dict:
+              learner: str = "dense", learner_dtype: str = "fp32", ref_attention: str = "replay",
+              full_share: float = 0.0, kl_coef: float | None = None) -> dict:
     """task "toy": `toy_task`'s prompts and reward (any model); a task family of kvtier.tasks.chains ("chains",
     "chains-long"): its problems and graded reward (`kvtier.rollout.chains_task`; the model must speak it,
     e.g. src/kvtier/models/reasoner for chains, and response_length hold its traces)."""
@@ -258,6 +185,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     if trainer not in TRAINERS:
         raise ValueError(f"trainer must be one of {TRAINERS}, not {trainer!r}")
     check_task(task)
+    check_ref_attention(ref_attention, learner)
     from kvtier.models.tiny import ensure_tiny_model
     from kvtier.rollout.cpu.rl_smoke_hooks import CHECK_ENV, EVENTS_ENV
     from kvtier.rollout.verl_config import CONFIG_DIR, GRPO_CONFIG
@@ -293,7 +221,8 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     args = overrides(model=model, train=train, val=val, workdir=work, steps=steps, batch_size=batch_size, n=n,
                      prompt_length=prompt_length, response_length=response_length, budget=budget, buffer=buffer,
                      kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()}, trainer=trainer,
-                     reward=reward, learner=learner, learner_dtype=learner_dtype)
+                     reward=reward, learner=learner, learner_dtype=learner_dtype, ref_attention=ref_attention,
+                     full_share=full_share, kl_coef=kl_coef)
     args += chat + list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIG_DIR}",
            f"--config-name={GRPO_CONFIG}", *args]
@@ -309,7 +238,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
         try:
             while True:
                 rc = proc.poll()
-                for line in _read_jsonl(metrics_path):
+                for line in read_jsonl(metrics_path):
                     step, data = line.get("step"), line.get("data") or {}
                     if step in printed or "training/global_step" not in data:
                         continue
@@ -338,6 +267,8 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
         "trainer": trainer,
         "task": task,
         "learner": learner,
+        "ref_attention": ref_attention if learner == "replay" else "full",
+        "full_share": full_share,
         "steps": len(records),
         "eviction_events": sum(r["eviction_events"] or 0 for r in records),
         "weights_versions": [e.get("global_steps") for e in syncs],
