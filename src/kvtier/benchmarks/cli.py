@@ -184,7 +184,8 @@ def bench_rl(
     arms: str = typer.Option("full,dense,replay", help="full (no eviction), dense (eviction at K, learner sees "
                              "everything, token TIS), replay (eviction at K, learner under each sample's eviction), "
                              "replay-fullref (replay, reference policy at full attention), replay-share (replay, "
-                             "--full-share of each group at full attention), replay-anchor (both)."),
+                             "--full-share of each group at full attention), replay-anchor (both), vllm (verl's own vLLM rollout, "
+                             "full attention)."),
     seeds: int = typer.Option(1, help="Runs per arm (seed s: verl's data order); held-out accuracy per seed and "
                               "pooled."),
     full_share: float = typer.Option(0.25, "--full-share", help="replay-share / replay-anchor: share of each "

