@@ -9,7 +9,8 @@ import typer
 
 
 def register(model_app: typer.Typer) -> None:
-    """Add `train-reasoner` to the `kvtier model` group (src/kvtier/models/cli.py calls it)."""
+    """Add `train-reasoner` and `export-checkpoint` to the `kvtier model` group (src/kvtier/models/cli.py calls
+    it)."""
     from kvtier.tasks.chains import FAMILIES, family as task_family
 
     from .reasoner import REASONER_DIR
@@ -60,3 +61,16 @@ def register(model_app: typer.Typer) -> None:
                                 answer_weight=answer_weight, evict=evict, full_share=full_share), out,
                     log=lambda s: typer.echo(s))
         typer.echo(json.dumps({k: v for k, v in rec.items() if k != "loss_curve"}, indent=1))
+
+    @model_app.command("export-checkpoint")
+    def export_checkpoint_cmd(
+        ckpt: Path = typer.Argument(..., help="A training checkpoint (OUT/ckpt.pt of train-reasoner)."),
+        out: Path = typer.Option(..., help="Model directory to write (config, weights, tokenizer, EXPORT.json)."),
+    ) -> None:
+        """An earlier point of a training as a model directory (e.g. an RL start with room to learn)."""
+        if not ckpt.is_file():
+            raise typer.BadParameter(f"{ckpt} is not a file", param_hint="CKPT")
+        from .reasoner_export import export_checkpoint
+
+        rec = export_checkpoint(ckpt, out)
+        typer.echo(json.dumps({k: rec[k] for k in ("source", "step", "last_held_out", "weights_sha256")}, indent=1))
