@@ -175,3 +175,19 @@ def test_smoke_overrides_pass_the_anchors_to_verl(tmp_path: Path):
         check_ref_attention("full", "dense")
     with pytest.raises(ValueError, match="ref_attention must be one of"):
         check_ref_attention("dense", "replay")
+
+
+@pytest.mark.parametrize("args, option, says", [
+    (["--full-share", "1.5"], "--full-share", "custom.kvtier.full_share"),        # the replica's own rule
+    (["--ref-attention", "full"], "--ref-attention", "needs learner=replay"),
+    (["--rollout", "vllm", "--learner", "replay"], "--rollout", "rollout=vllm"),
+])
+def test_smoke_cli_refuses_bad_anchor_settings_before_verl_starts(args, option, says, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    r = CliRunner().invoke(app, ["rl", "smoke", "--workdir", str(tmp_path / "w"), *args])
+    out = " ".join(r.output.replace("│", " ").split())
+    assert r.exit_code == 2 and option in out and says in out, out
+    assert not (tmp_path / "w").exists()

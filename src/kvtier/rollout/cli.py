@@ -81,8 +81,12 @@ def smoke(
         check_ref_attention(ref_attention, learner)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--ref-attention") from None
-    if not 0.0 <= full_share < 1.0:
-        raise typer.BadParameter("a share in [0, 1)", param_hint="--full-share")
+    from .settings import parse_full_share
+
+    try:
+        parse_full_share(full_share)
+    except ValueError as exc:                   # EvictionConfigError: the same rule verl's replica applies
+        raise typer.BadParameter(str(exc), param_hint="--full-share") from None
     if rollout == "vllm" and budget:
         typer.echo(f"--rollout vllm: verl's vLLM rollout has no eviction; --budget {budget} ignored (full attention)",
                    err=True)

@@ -91,7 +91,8 @@ def _parse_val_budget(value) -> str | int:
                               f"budget K > 0, got {value!r}")
 
 
-def _parse_full_share(value) -> float:
+def parse_full_share(value) -> float:
+    """`custom.kvtier.full_share` as a float in [0, 1) (EvictionConfigError naming the field otherwise)."""
     try:
         share = 0.0 if value is None else float(value)
     except (TypeError, ValueError):
@@ -150,7 +151,7 @@ class KVTierRolloutSettings:
         return cls(eviction=eviction, kv_cache_bytes=int(kv) if kv is not None else None,
                    server_num_cpus=float(ncpu) if ncpu is not None else None,
                    protect=_parse_protect(raw.get("protect")), val_budget=_parse_val_budget(raw.get("val_budget")),
-                   learner=_parse_learner(raw.get("learner")), full_share=_parse_full_share(raw.get("full_share")))
+                   learner=_parse_learner(raw.get("learner")), full_share=parse_full_share(raw.get("full_share")))
 
     @classmethod
     def from_rollout_config(cls, config) -> "KVTierRolloutSettings":
