@@ -24,9 +24,13 @@ def test_arms_differ_only_in_budget_learner_anchors_and_rejection():
         ("replay", 0.0), ("full", 0.0), ("replay", 0.25), ("full", 0.25)]
     save = ["trainer.save_freq=5", "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]", "data.seed=2"]
     assert all(a.extra == save for a in (full, dense, replay, fullref, share, anchor))
-    rs = arm_spec("dense", RLBenchShape(steps=5, rejection="seq_max_k2:0.5")).extra
-    assert rs[3:] == ["algorithm.rollout_correction.rollout_rs=seq_max_k2",
-                      "algorithm.rollout_correction.rollout_rs_threshold=0.5"]
+    rs = arm_spec("dense-rs", RLBenchShape(steps=5, rejection="seq_mean_k3:0.5"))
+    assert (rs.budget, rs.learner) == (256, "dense")
+    assert rs.extra[3:] == ["algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+                            "algorithm.rollout_correction.rollout_rs_threshold=0.5"]
+    assert arm_spec("dense", RLBenchShape(steps=5, rejection="seq_mean_k3:0.5")).extra == save[:2] + ["data.seed=0"]
+    with pytest.raises(ValueError, match="dense-rs needs rejection"):
+        arm_spec("dense-rs", shape)
     vllm = arm_spec("vllm", shape, seed=2)
     assert (vllm.budget, vllm.learner, vllm.rollout, vllm.extra) == (None, "dense", "vllm", save)
     assert {a.rollout for a in (full, dense, replay, fullref, share, anchor)} == {"kvtier"}
@@ -200,3 +204,60 @@ def test_bench_refuses_a_bad_learner_dtype_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="learner_dtype must be one of"):
         run_rl_bench("/no/model", RLBenchShape(learner_dtype="fp16"), ["full"], tmp_path / "bench")
     assert not (tmp_path / "bench").exists()   # refused before the held-out evaluation started
+
+
+def test_bench_refuses_dense_rs_without_a_rejection_before_any_work(tmp_path):
+    from kvtier.benchmarks.rl import run_rl_bench
+
+    with pytest.raises(ValueError, match="dense-rs needs rejection"):
+        run_rl_bench("/no/model", RLBenchShape(), ["full", "dense-rs"], tmp_path / "bench")
+    assert not (tmp_path / "bench").exists()
+
+
+def test_default_pool_holds_four_full_traces():
+    """#38 item 5: equal KV memory sized so the full arm is KV-bound: 4 traces of the response length in the
+    rollout engine's dtype (the reasoner: 4 layers x 2 KV heads x 64 x K and V = 4 KiB per token in float32)."""
+    from kvtier.benchmarks.rl import kv_pool_mb
+    from kvtier.models.reasoner import reasoner_dir
+
+    assert kv_pool_mb(str(reasoner_dir()), 1160, "float32") == 19       # 4 x 1,160 x 4,096 B = 18.1 MiB
+    assert kv_pool_mb(str(reasoner_dir()), 1160, "bfloat16") == 10
+    assert RLBenchShape().kv_cache_mb is None
+
+
+def test_a_stopped_bench_reuses_its_finished_runs(tmp_path, monkeypatch):
+    """A rerun with the same shape trains only the runs not yet kept; another shape retrains; the partial
+    report is written after each run."""
+    import kvtier.benchmarks.rl as rl
+
+    trained, evaluated = [], []
+
+    def fake_run(arm, model, shape, workdir, seed, echo):
+        trained.append((arm, seed, shape.lr))
+        return {"seed": seed, "train_seconds": 1.0, "steps": [step_row({"step": 1, "rollout_seconds": 2.0})],
+                "logprob_agreement": {"kl": None, "max_abs_log_ratio": None}, "checkpoint": "/ckpt"}
+
+    def fake_eval(model, shape, out):
+        evaluated.append(model)
+        return {"evicted": {"accuracy": 0.5, "ci": [0.3, 0.7], "problems": {"p0": True, "p1": False}},
+                "full": {"accuracy": 0.5, "ci": [0.3, 0.7], "problems": {"p0": True, "p1": False}}}
+
+    monkeypatch.setattr(rl, "run_seed", fake_run)
+    monkeypatch.setattr(rl, "heldout_accuracy", fake_eval)
+    shape, out = RLBenchShape(seeds=2, kv_cache_mb=8), tmp_path / "rl.json"
+    rl.run_rl_bench("/m", shape, ["full"], tmp_path / "w", out=out, echo=lambda m: None)
+    assert trained == [("full", 0, 1e-5), ("full", 1, 1e-5)] and len(evaluated) == 3
+    rl.run_rl_bench("/m", shape, ["full", "replay"], tmp_path / "w", out=out, echo=lambda m: None)
+    assert trained[2:] == [("replay", 0, 1e-5), ("replay", 1, 1e-5)] and len(evaluated) == 5
+    report = json.loads(out.read_text())
+    assert len(report["arms"]["full"]["seeds"]) == 2 and report["arms"]["full"]["heldout"]["end"]["full"]["n"] == 4
+    rl.run_rl_bench("/m", RLBenchShape(seeds=1, kv_cache_mb=8, lr=3e-5), ["full"], tmp_path / "w",
+                    echo=lambda m: None)
+    assert trained[4:] == [("full", 0, 3e-5)]
+
+
+def test_rollout_engine_dtype_reaches_verls_rollout_config():
+    """verl's rollout.dtype (bfloat16 by default) is what kvtier's and verl's vLLM engines run; rl_smoke's
+    `auto` resolves it to float32 on a CPU without native bf16, and the override carries it."""
+    assert _composed().actor_rollout_ref.rollout.dtype == "bfloat16"
+    assert _composed(rollout_dtype="float32").actor_rollout_ref.rollout.dtype == "float32"

@@ -159,6 +159,26 @@ def test_mismatch_metrics_by_hand():
     assert m["m/token_ratio_p05"] == pytest.approx(float(torch.quantile(ratios, 0.05)))
 
 
+def test_sequence_k3_tails_are_verls_seq_mean_k3():
+    """The per-sample mean k3 tails (what a dense-rs threshold is chosen from) are the statistic verl's
+    rollout_rs=seq_mean_k3 rejects on: a threshold between two samples' values rejects the larger one."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_rejection_mask
+
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.4, 0.9], [0.9, 0.9, 0.9, 0.9], [0.2, 0.6, 0.6, 0.6]]))
+    rollout = torch.log(torch.tensor([[0.5, 0.25, 0.5, 0.1], [0.9, 0.8, 0.9, 0.9], [0.6, 0.6, 0.6, 0.6]]))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    m = mismatch_metrics(old, rollout, mask, prefix="m")
+    lr = (old - rollout).masked_fill(mask == 0, 0.0)
+    per = ((lr.exp() - 1 - lr).sum(-1) / mask.sum(-1)).tolist()
+    assert m["m/seq_k3_max"] == pytest.approx(max(per))
+    assert m["m/seq_k3_p50"] == pytest.approx(sorted(per)[1])
+    threshold = (sorted(per)[1] + sorted(per)[2]) / 2
+    keep, _ = compute_rollout_rejection_mask(log_ratio=old - rollout, response_mask=mask.float(),
+                                             rollout_rs="seq_mean_k3", rollout_rs_threshold=threshold)
+    kept = keep.sum(-1) > 0
+    assert kept.tolist() == [v <= threshold for v in per]
+
+
 def test_groups_with_signal_from_the_v1_transfer_queue():
     """#38 item 1: how many GRPO groups had rewards that differ, read as the kvtier_<mode> trainers read the
     step's samples (padding left out; rm_scores are token-level, nested)."""

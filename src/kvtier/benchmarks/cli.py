@@ -182,7 +182,7 @@ def bench_rollout(
 def bench_rl(
     steps: int = typer.Option(12, help="GRPO steps per arm."),
     arms: str = typer.Option("full,dense,replay", help="full (no eviction), dense (eviction at K, learner sees "
-                             "everything, token TIS), replay (eviction at K, learner under each sample's eviction), "
+                             "everything, token TIS), dense-rs (dense + verl's sequence rejection at --rejection), replay (eviction at K, learner under each sample's eviction), "
                              "replay-fullref (replay, reference policy at full attention), replay-share (replay, "
                              "--full-share of each group at full attention), replay-anchor (both), vllm (verl's own vLLM rollout, "
                              "full attention)."),
@@ -197,15 +197,19 @@ def bench_rl(
     batch_size: int = typer.Option(4, "--batch-size", help="Prompts per step."),
     n: int = typer.Option(4, help="GRPO group size."),
     lr: float = typer.Option(1e-5),
-    kv_cache_mb: int = typer.Option(24, "--kv-cache-mb", help="KV pool per arm (equal memory)."),
+    kv_cache_mb: Optional[int] = typer.Option(None, "--kv-cache-mb", help="KV pool per arm, MiB (equal memory; "
+                                              "default: 4 full traces of --response-length in the rollout dtype, "
+                                              "so the full arm is KV-bound)."),
     heldout: int = typer.Option(32, help="Held-out local-chain problems per evaluation."),
     family: str = typer.Option("chains", help="Task family (kvtier.tasks.chains): chains (the shipped reasoner's) "
                                "or chains-long (2.5-4k-token traces; a --model with >= 4,096 positions)."),
     response_length: Optional[int] = typer.Option(None, "--response-length", help="Response tokens (default: "
                                                   "1160 for chains, whose longest trace is 1,122; the family's "
                                                   "budget otherwise, chains-long 4000)."),
-    rejection: Optional[str] = typer.Option(None, help="verl rollout_rs for the dense arm, OPTION:THRESHOLD "
-                                            "(e.g. seq_max_k2:0.5)."),
+    rejection: Optional[str] = typer.Option(None, help="verl rollout_rs of the dense-rs arm, OPTION:THRESHOLD "
+                                            "(e.g. seq_mean_k3:0.2; the dense arm's steps report seq_k3 tails)."),
+    rollout_dtype: str = typer.Option("auto", "--rollout-dtype", help="The rollout engine's dtype: auto = float32 "
+                                      "on a CPU without AVX512-BF16/AMX, verl's bfloat16 elsewhere."),
     learner_dtype: str = typer.Option("fp32", help="The actor's compute dtype (fp32; bf16, verl's default, is "
                                       "emulated on CPUs without native bf16: ~25x slower backward; "
                                       "results/rl-cpu-2026-12-02.json ran bf16)."),
@@ -216,7 +220,7 @@ def bench_rl(
 ) -> None:
     """GRPO through verl's trainer from one checkpoint per arm: reward and held-out accuracy (evicted and
     full) vs step and wall-clock, rollout seconds, learner/sampler ratio tails (src/kvtier/benchmarks/rl.py)."""
-    from kvtier.benchmarks.rl import RLBenchShape, run_rl_bench
+    from kvtier.benchmarks.rl import RLBenchShape, check_bench, run_rl_bench
     from kvtier.models.reasoner import reasoner_dir
     from kvtier.tasks.chains import family as task_family
 
@@ -229,12 +233,13 @@ def bench_rl(
     shape = RLBenchShape(steps=steps, batch_size=batch_size, n=n, budget=budget, buffer=buffer, lr=lr,
                          kv_cache_mb=kv_cache_mb, heldout=heldout, rejection=rejection, learner_dtype=learner_dtype,
                          family=fam.name, response_length=response_length, seeds=seeds, full_share=full_share,
-                         kl_coef=kl_coef)
+                         kl_coef=kl_coef, rollout_dtype=rollout_dtype)
+    try:
+        check_bench(shape, arms.split(","))
+    except ValueError as exc:                     # an unknown arm or dtype; dense-rs without --rejection
+        raise typer.BadParameter(str(exc)) from None
     report = run_rl_bench(str(Path(model or reasoner_dir()).resolve()), shape, arms.split(","), workdir.resolve(),
-                          plot, echo=typer.echo)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
+                          plot, echo=typer.echo, out=out)
     _print_json(report)
 
 

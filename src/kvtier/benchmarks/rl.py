@@ -6,7 +6,9 @@ chains-long) from the same checkpoint, data and seeds in each arm, at equal KV m
 
 * `full`   - kvtier rollouts at full attention (no eviction): what users run today;
 * `dense`  - random eviction at K, the learner scores with the whole context, today's token TIS
-             (`kvtier_grpo.yaml`: rollout_is=token, threshold 2; `--rejection` adds verl's rollout_rs);
+             (`kvtier_grpo.yaml`: rollout_is=token, threshold 2);
+* `dense-rs` - `dense` plus Sparse-RL's sequence rejection: verl's rollout_rs at `--rejection OPTION:THRESHOLD`
+             (e.g. seq_mean_k3 at a threshold the dense arm's per-sample tails show keeps most samples);
 * `replay` - random eviction at K, the learner scores under each sample's own eviction
              (`rollout.custom.kvtier.learner=replay`, kvtier.rollout.learner_replay);
 * `replay-fullref` - replay, with the reference policy (the KL loss's anchor) at full attention
@@ -23,7 +25,9 @@ diagnostics, step, rollout and update seconds, the learner-vs-sampler per-token 
 split) of the start checkpoint and of each run's final one, greedy, under random eviction at K and at full
 attention (`kvtier eval reasoner`, in a subprocess), per seed and pooled over seeds (problems resampled, a
 problem's seeds moving together). Writes one JSON and a plot (reward and held-out accuracy vs step and vs
-wall-clock).
+wall-clock). Equal KV memory: `kv_cache_mb` None sizes every arm's pool to POOL_TRACES full traces in the rollout
+engine's dtype, so the full arm is KV-bound. Resumable: each finished run (training and its held-out evaluation)
+is kept as `<workdir>/<arm>/seed<s>.json` with its shape; a rerun with the same shape reuses it.
 """
 
 from __future__ import annotations
@@ -35,12 +39,13 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .rl_plot import arm_runs
 
-ARMS = ("full", "dense", "replay", "replay-fullref", "replay-share", "replay-anchor", "vllm")
+ARMS = ("full", "dense", "dense-rs", "replay", "replay-fullref", "replay-share", "replay-anchor", "vllm")
+POOL_TRACES = 4                # kv_cache_mb None: the pool holds this many full traces (issue #38 item 5)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -53,15 +58,21 @@ class RLBenchShape:
     budget: int = 256              # K of the compressed arms
     buffer: int = 32
     lr: float = 1e-5
-    kv_cache_mb: int = 24          # equal KV memory in every arm (full attention needs ~39 MB for 16 samples)
+    kv_cache_mb: int | None = None  # equal KV memory in every arm; None: POOL_TRACES full traces (kv_pool_mb)
     heldout: int = 32              # held-out local-chain problems per evaluation
-    rejection: str | None = None   # verl rollout_rs option for the dense arm, e.g. "seq_max_k2:0.5"
+    rejection: str | None = None   # verl rollout_rs OPTION:THRESHOLD of the dense-rs arm, e.g. "seq_mean_k3:0.2"
     learner_dtype: str = "fp32"    # the actor's compute dtype (rl_smoke.LEARNER_DTYPES; bf16 is emulated on CPUs
                                    # without native bf16: results/rl-cpu-2026-12-02.json ran bf16)
     family: str = "chains"         # the task family (kvtier.tasks.chains.FAMILIES): train split and held-out set
     seeds: int = 1                 # runs per arm (seed s: verl's data order)
     full_share: float = 0.25       # replay-share / replay-anchor: share of each group at full attention
     kl_coef: float | None = None   # actor.kl_loss_coef in every arm (None: kvtier_grpo.yaml's 0.001)
+    rollout_dtype: str = "auto"    # the rollout engine's dtype (rl_smoke.ROLLOUT_DTYPES; auto: float32 on a CPU
+                                   # without native bf16)
+
+    def run_key(self) -> dict:
+        """The settings a finished run depends on (not how many seeds the bench runs)."""
+        return {k: v for k, v in asdict(self).items() if k != "seeds"}
 
 
 @dataclass(frozen=True)
@@ -83,18 +94,31 @@ def arm_spec(arm: str, shape: RLBenchShape, seed: int = 0) -> ArmSpec:
     if arm == "vllm":
         return ArmSpec(None, "dense", save, rollout="vllm")
     if arm == "dense":
-        extra = []
-        if shape.rejection:
-            option, _, threshold = shape.rejection.partition(":")
-            extra = [f"algorithm.rollout_correction.rollout_rs={option}",
-                     f"algorithm.rollout_correction.rollout_rs_threshold={threshold}"]
-        return ArmSpec(shape.budget, "dense", save + extra)
+        return ArmSpec(shape.budget, "dense", save)
+    if arm == "dense-rs":
+        option, _, threshold = (shape.rejection or "").partition(":")
+        if not option or not threshold:
+            raise ValueError("arm dense-rs needs rejection OPTION:THRESHOLD (--rejection, e.g. seq_mean_k3:0.2), "
+                             f"not {shape.rejection!r}")
+        return ArmSpec(shape.budget, "dense", save + [f"algorithm.rollout_correction.rollout_rs={option}",
+                                                      f"algorithm.rollout_correction.rollout_rs_threshold={threshold}"])
     anchors = {"replay": ("replay", 0.0), "replay-fullref": ("full", 0.0), "replay-share": ("replay", shape.full_share),
                "replay-anchor": ("full", shape.full_share)}
     if arm in anchors:
         ref, share = anchors[arm]
         return ArmSpec(shape.budget, "replay", save, ref_attention=ref, full_share=share)
     raise ValueError(f"arm must be one of {ARMS}, not {arm!r}")
+
+
+def kv_pool_mb(model: str, tokens_per_trace: int, dtype: str, traces: int = POOL_TRACES) -> int:
+    """MiB (rounded up) of KV cache holding `traces` sequences of `tokens_per_trace` in `dtype` (auto: as the
+    rollout engine resolves it here)."""
+    from kvtier.engine.cpu_dtype import auto_dtype
+    from kvtier.service.sizing import DTYPE_BYTES, kv_bytes_per_token
+
+    if dtype == "auto":
+        dtype = auto_dtype("cpu")[0] or "bfloat16"
+    return math.ceil(traces * tokens_per_trace * kv_bytes_per_token(model, DTYPE_BYTES[dtype]) / 2**20)
 
 
 def heldout_accuracy(model: str, shape: RLBenchShape, out: Path) -> dict:
@@ -150,6 +174,8 @@ def step_row(rec: dict) -> dict:
             "token_ratio_p01": tails.get("token_ratio_p01"),
             "token_ratio_p05": tails.get("token_ratio_p05"), "share_below_0_86": tails.get("share_below_0_86"),
             "kl": tails.get("kl"), "max_abs_log_ratio": tails.get("max_abs_log_ratio"),
+            **{k: tails.get(k) for k in ("seq_k3_p50", "seq_k3_p90", "seq_k3_max")},
+            "rejected_share": rec.get("rejected_share"),
             "preemptions_mean": rec.get("preemptions_mean"), "rollout_replayable": rec.get("rollout_replayable"),
             "learner_replay_share": rec.get("learner_replay_share"),
             "advantage_abs_max": rec.get("advantage_abs_max"),
@@ -189,7 +215,8 @@ def run_seed(arm: str, model: str, shape: RLBenchShape, workdir: Path, seed: int
                        kv_cache_mb=shape.kv_cache_mb, lr=shape.lr, check_tokens=0, timeout=3600, echo=echo,
                        task=shape.family, learner=spec.learner, extra_overrides=spec.extra,
                        learner_dtype=shape.learner_dtype, ref_attention=spec.ref_attention,
-                       full_share=spec.full_share, kl_coef=shape.kl_coef, rollout=spec.rollout)
+                       full_share=spec.full_share, kl_coef=shape.kl_coef, rollout=spec.rollout,
+                       rollout_dtype=shape.rollout_dtype)
     if result["summary"]["returncode"] != 0:
         raise RuntimeError(f"arm {arm} seed {seed}: verl's trainer failed (log: {work / 'main_ppo.log'})")
     steps = [step_row(r) for r in result["steps"]]
@@ -202,20 +229,48 @@ def run_seed(arm: str, model: str, shape: RLBenchShape, workdir: Path, seed: int
             "checkpoint": str(hf_checkpoint(work, shape.steps, model))}
 
 
-def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path, plot: str | None = None,
-                 echo=print) -> dict:
-    from kvtier.rollout.cpu.rl_smoke import check_learner_dtype
+def _reuse(path: Path, key: dict) -> dict | None:
+    """A finished run kept at `path` if it ran with the settings `key`, else None."""
+    if not path.exists():
+        return None
+    kept = json.loads(path.read_text())
+    return kept["run"] if kept.get("key") == key else None
+
+
+def check_bench(shape: RLBenchShape, arms: list[str]) -> None:
+    """ValueError naming what is wrong before any run: an unknown arm, dtype or family, no seeds, dense-rs
+    without a rejection."""
+    from kvtier.rollout.cpu.rl_smoke import ROLLOUT_DTYPES, check_learner_dtype
     from kvtier.tasks.chains import family as task_family
 
     bad = [a for a in arms if a not in ARMS]
     if bad:
         raise ValueError(f"unknown arm(s) {bad}; choose from {ARMS}")
-    check_learner_dtype(shape.learner_dtype)   # before the start checkpoint's evaluation, not after it
-    task_family(shape.family)                  # ValueError naming the known families, as early
+    check_learner_dtype(shape.learner_dtype)
+    if shape.rollout_dtype not in ROLLOUT_DTYPES:
+        raise ValueError(f"rollout_dtype must be one of {ROLLOUT_DTYPES}, not {shape.rollout_dtype!r}")
+    task_family(shape.family)
     if shape.seeds < 1:
         raise ValueError(f"seeds must be >= 1, not {shape.seeds}")
+    for arm in arms:
+        arm_spec(arm, shape)
+
+
+def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path, plot: str | None = None,
+                 echo=print, out: Path | None = None) -> dict:
+    """Every arm's runs, in order; `out` (if given) is rewritten after each run, so a partial report exists
+    while the bench runs and a stopped bench resumes where it stopped (finished runs are reused)."""
+    check_bench(shape, arms)                   # before the start checkpoint's evaluation, not after it
+    if shape.kv_cache_mb is None:
+        shape = replace(shape, kv_cache_mb=kv_pool_mb(model, shape.response_length, shape.rollout_dtype))
+        echo(f"KV pool {shape.kv_cache_mb} MiB per arm: {POOL_TRACES} traces of {shape.response_length} tokens")
     workdir.mkdir(parents=True, exist_ok=True)
-    start = heldout_accuracy(model, shape, workdir / "heldout-start")
+    key = {**shape.run_key(), "model": model}
+    start_file = workdir / "heldout-start.json"
+    start = _reuse(start_file, key)
+    if start is None:
+        start = heldout_accuracy(model, shape, workdir / "heldout-start")
+        start_file.write_text(json.dumps({"key": key, "run": start}))
     echo(json.dumps({"heldout_start": start}))
     report = {"budget": shape.budget, "shape": asdict(shape), "model": model, "device": "cpu",
               "heldout_start": start, "arms": {}}
@@ -223,15 +278,27 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
         spec = arm_spec(arm, shape)
         runs = []
         for seed in range(shape.seeds):
-            run = run_seed(arm, model, shape, workdir, seed, echo)
-            end = heldout_accuracy(run.pop("checkpoint"), shape, workdir / f"heldout-{arm}-seed{seed}")
-            run["heldout"] = {"start": start, "end": end}
+            kept = workdir / arm / f"seed{seed}.json"
+            run = _reuse(kept, key)
+            if run is not None:
+                echo(f"arm {arm} seed {seed}: reusing the finished run in {kept}")
+            else:
+                run = run_seed(arm, model, shape, workdir, seed, echo)
+                end = heldout_accuracy(run.pop("checkpoint"), shape, workdir / f"heldout-{arm}-seed{seed}")
+                run["heldout"] = {"start": start, "end": end}
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.write_text(json.dumps({"key": key, "run": run}))
             runs.append(run)
-            echo(json.dumps({"arm": arm, "seed": seed, "heldout_end": end, "logprob_agreement": run["logprob_agreement"]}))
-        report["arms"][arm] = {"budget": spec.budget, "learner": spec.learner, "ref_attention": spec.ref_attention,
-                               "full_share": spec.full_share, "rollout": spec.rollout, "seeds": runs,
-                               "heldout": {"start": start, "end": pooled_heldout([r["heldout"]["end"] for r in runs])}}
-    report["ratios"] = ratios(report)
+            echo(json.dumps({"arm": arm, "seed": seed, "heldout_end": run["heldout"]["end"],
+                             "logprob_agreement": run["logprob_agreement"]}))
+            report["arms"][arm] = {"budget": spec.budget, "learner": spec.learner, "ref_attention": spec.ref_attention,
+                                   "full_share": spec.full_share, "rollout": spec.rollout, "seeds": runs,
+                                   "heldout": {"start": start,
+                                               "end": pooled_heldout([r["heldout"]["end"] for r in runs])}}
+            report["ratios"] = ratios(report)
+            if out is not None:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(report, indent=1) + "\n")
     if plot:
         from .rl_plot import plot_rl      # matplotlib on demand
 

@@ -64,10 +64,13 @@ def smoke(
     kl_coef: Optional[float] = typer.Option(None, help="actor.kl_loss_coef (default: kvtier_grpo.yaml's 0.001)."),
     rollout: str = typer.Option("kvtier", help="kvtier: kvtier's compressed engine (rollout.name=kvtier); vllm: "
                                 "verl's own vLLM rollout, unchanged (rollout.name=vllm), at full attention."),
+    rollout_dtype: str = typer.Option("auto", help="The rollout engine's dtype (rollout.dtype): auto = float32 on a "
+                                      "CPU without AVX512-BF16/AMX (bf16 matmuls emulated there), verl's bfloat16 "
+                                      "elsewhere; or float32, bfloat16, float16."),
 ) -> None:
     """Run verl's `main_ppo` (GRPO, hybrid engine, v1 or v0 trainer) on kvtier rollouts on CPU; one JSON line
     per step, then a JSON summary. Exit status 1 if the trainer fails or a check does not hold."""
-    from .cpu.rl_smoke import LEARNER_DTYPES, TRAINERS, check_ref_attention, check_rollout, check_task, run_smoke
+    from .cpu.rl_smoke import LEARNER_DTYPES, ROLLOUT_DTYPES, TRAINERS, check_ref_attention, check_rollout, check_task, run_smoke
 
     if trainer not in TRAINERS:
         raise typer.BadParameter(f"--trainer must be one of {', '.join(TRAINERS)}")
@@ -77,6 +80,8 @@ def smoke(
         raise typer.BadParameter(str(exc), param_hint="--task") from None
     if learner_dtype not in LEARNER_DTYPES:
         raise typer.BadParameter(f"--learner-dtype must be one of {', '.join(LEARNER_DTYPES)}")
+    if rollout_dtype not in ROLLOUT_DTYPES:
+        raise typer.BadParameter(f"--rollout-dtype must be one of {', '.join(ROLLOUT_DTYPES)}")
     try:
         check_ref_attention(ref_attention, learner)
     except ValueError as exc:
@@ -99,7 +104,7 @@ def smoke(
                        response_length=response_length, budget=budget or None, buffer=buffer, lr=lr,
                        check_tokens=check_tokens, timeout=timeout, echo=typer.echo, trainer=trainer, task=task,
                        learner=learner, learner_dtype=learner_dtype, ref_attention=ref_attention,
-                       full_share=full_share, kl_coef=kl_coef, rollout=rollout)
+                       full_share=full_share, kl_coef=kl_coef, rollout=rollout, rollout_dtype=rollout_dtype)
     s = result["summary"]
     versions = s["weights_versions"]
     ok = s["returncode"] == 0 and s["steps"] == steps

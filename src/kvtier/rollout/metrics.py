@@ -123,6 +123,7 @@ def mismatch_metrics(old_log_probs, rollout_log_probs, response_mask,
                      prefix: str = "rollout/kvtier/mismatch") -> dict[str, float]:
     """Learner vs sampler over the response tokens ([B, T] tensors): per-token ratio = pi_learner / pi_rollout
     = exp(old_log_prob - rollout_log_prob). `kl`: the k3 estimate of KL(rollout || learner) per token (>= 0);
+    `seq_k3_p50`, `seq_k3_p90`, `seq_k3_max`: over samples, each sample's mean k3 (verl's seq_mean_k3);
     `max_abs_log_ratio`; the ratio's `min`, 1st and 5th percentiles (`p05`: Sparrow's criterion, >= 0.86) and
     `share_below_0_86` (<= 0.05 when p05 >= 0.86, up to the quantile's interpolation)."""
     import torch
@@ -130,9 +131,16 @@ def mismatch_metrics(old_log_probs, rollout_log_probs, response_mask,
     mask = response_mask.bool()
     if not bool(mask.any()):
         return {}
-    log_ratio = (old_log_probs.float() - rollout_log_probs.float())[mask]
+    full_log_ratio = (old_log_probs.float() - rollout_log_probs.float()).masked_fill(~mask, 0.0)
+    log_ratio = full_log_ratio[mask]
     ratio = log_ratio.exp()
+    # per sample: the mean k3 over its tokens, the statistic verl's rollout_rs=seq_mean_k3 thresholds
+    rows = mask.any(dim=-1)
+    seq_k3 = ((full_log_ratio.exp() - 1 - full_log_ratio).sum(-1) / mask.sum(-1).clamp(min=1))[rows]
     return {f"{prefix}/kl": float((ratio - 1 - log_ratio).mean()),
+            f"{prefix}/seq_k3_p50": float(torch.quantile(seq_k3, 0.5)),
+            f"{prefix}/seq_k3_p90": float(torch.quantile(seq_k3, 0.9)),
+            f"{prefix}/seq_k3_max": float(seq_k3.max()),
             f"{prefix}/max_abs_log_ratio": float(log_ratio.abs().max()),
             f"{prefix}/token_ratio_min": float(ratio.min()),
             f"{prefix}/token_ratio_p01": float(torch.quantile(ratio, 0.01)),

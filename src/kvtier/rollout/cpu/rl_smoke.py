@@ -50,8 +50,10 @@ TRAINERS = ("v1", "v0")
 # The FSDP actor's and reference's compute dtype (verl's fsdp_config.mixed_precision.param_dtype; verl's default
 # bf16 autocast). On a CPU without native bf16 (AVX2) bf16 matmuls are emulated: the tiny model's backward over
 # 8 x 264 tokens took 49-50 s in bf16 and 2.1 s in fp32 (forward 6.4-6.8 s vs 1.1-1.2 s), so verl's
-# update_actor was ~55 s of a ~75-100 s step. The rollout engine stays bf16 either way.
+# update_actor was ~55 s of a ~75-100 s step. The rollout engine's dtype (verl's rollout.dtype, bfloat16 by
+# default) follows kvtier.engine.cpu_dtype.auto_dtype unless given: float32 on such a CPU.
 LEARNER_DTYPES = ("fp32", "bf16")
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the reference policy under learner replay: replayed like the actor (kvtier_replay), or at full attention
 # (kvtier_replay_full_ref: the KL loss anchors the start model's full-attention behaviour)
 REF_ATTENTIONS = ("replay", "full")
@@ -101,13 +103,15 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
               prompt_length: int, response_length: int, budget: int | None, buffer: int, kv_cache_mb: int, lr: float,
               env_vars: dict[str, str], trainer: str = "v1", reward: Path | None = None,
               learner: str = "dense", learner_dtype: str = "fp32", ref_attention: str = "replay",
-              full_share: float = 0.0, kl_coef: float | None = None, rollout: str = "kvtier") -> list[str]:
+              full_share: float = 0.0, kl_coef: float | None = None, rollout: str = "kvtier",
+              rollout_dtype: str | None = None) -> list[str]:
     """verl's Hydra overrides; `reward`: the file with `compute_score` (default: the toy task's reward);
     `learner`: dense, or replay (the actor scores each sample under its own eviction,
     kvtier.rollout.learner_replay); `learner_dtype`: the actor's and reference's compute dtype
     (LEARNER_DTYPES); `ref_attention` (replay only, REF_ATTENTIONS): how the reference policy scores;
     `full_share`: of each group, the share of samples generated at full attention; `kl_coef`: the KL loss's
-    coefficient (default: kvtier_grpo.yaml's); `rollout` (ROLLOUTS): kvtier's engine or verl's own vLLM rollout."""
+    coefficient (default: kvtier_grpo.yaml's); `rollout` (ROLLOUTS): kvtier's engine or verl's own vLLM rollout;
+    `rollout_dtype`: the rollout engine's dtype (None: verl's, bfloat16)."""
     check_learner_dtype(learner_dtype)
     check_ref_attention(ref_attention, learner)
     check_rollout(rollout, budget=budget, learner=learner, full_share=full_share)
@@ -147,6 +151,7 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         # rollout: kvtier (name, policy from the yaml), small K so eviction happens, hybrid sleep/wake
         f"{r}.n={n}",
         f"{r}.temperature=1.0",
+        *([f"{r}.dtype={rollout_dtype}"] if rollout_dtype else []),
         f"{r}.tensor_model_parallel_size=1",
         f"{r}.enforce_eager=true",
         f"{r}.free_cache_engine=true",           # verl's default: sleep/wake every step
@@ -201,8 +206,10 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
               kv_cache_mb: int = 64, lr: float = 1e-3, check_tokens: int = 16, timeout: float = 1800,
               echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1", task: str = "toy",
               learner: str = "dense", learner_dtype: str = "fp32", ref_attention: str = "replay",
-              full_share: float = 0.0, kl_coef: float | None = None, rollout: str = "kvtier") -> dict:
-    """task "toy": `toy_task`'s prompts and reward (any model); a task family of kvtier.tasks.chains ("chains",
+              full_share: float = 0.0, kl_coef: float | None = None, rollout: str = "kvtier",
+              rollout_dtype: str = "auto") -> dict:
+    """`rollout_dtype`: the rollout engine's dtype, `auto` (float32 on a CPU without native bf16, where bf16
+    matmuls are emulated; verl's bfloat16 elsewhere) or a dtype name. task "toy": `toy_task`'s prompts and reward (any model); a task family of kvtier.tasks.chains ("chains",
     "chains-long"): its problems and graded reward (`kvtier.rollout.chains_task`; the model must speak it,
     e.g. src/kvtier/models/reasoner for chains, and response_length hold its traces)."""
     import tempfile
@@ -244,11 +251,20 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "RAY_AUTH_MODE": "disabled",
     }
+    if rollout_dtype not in ROLLOUT_DTYPES:
+        raise ValueError(f"rollout_dtype must be one of {ROLLOUT_DTYPES}, not {rollout_dtype!r}")
+    engine_dtype = rollout_dtype
+    if rollout_dtype == "auto":
+        from kvtier.engine.cpu_dtype import auto_dtype
+
+        engine_dtype, why = auto_dtype("cpu")
+        if why:
+            echo(f"rollout engine {why}")
     args = overrides(model=model, train=train, val=val, workdir=work, steps=steps, batch_size=batch_size, n=n,
                      prompt_length=prompt_length, response_length=response_length, budget=budget, buffer=buffer,
                      kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()}, trainer=trainer,
                      reward=reward, learner=learner, learner_dtype=learner_dtype, ref_attention=ref_attention,
-                     full_share=full_share, kl_coef=kl_coef, rollout=rollout)
+                     full_share=full_share, kl_coef=kl_coef, rollout=rollout, rollout_dtype=engine_dtype)
     args += chat + list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIG_DIR}",
            f"--config-name={GRPO_CONFIG}", *args]

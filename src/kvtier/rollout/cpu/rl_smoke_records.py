@@ -53,6 +53,8 @@ def step_record(step: int, data: dict, events: list[dict], samples: int, trainer
         "kvtier_metrics": sorted(k for k in data if KVTIER_METRICS in k),
         "rollout_is_mean": _float(data.get(IS_MEAN)),
         "rollout_is_max": _float(data.get("rollout_corr/rollout_is_max")),
+        # verl's rollout_rs (a dense learner's sequence rejection): the share of samples it masked out
+        "rejected_share": _float(data.get("rollout_corr/rollout_rs_seq_masked_fraction")),
         "mismatch": mismatch,
         # learner (old log-probs) vs sampler (rollout log-probs) per token; how many samples the rollout
         # returned with a replayable record, and what share of samples the learner's update forwards replayed
