@@ -157,7 +157,7 @@ def test_eval_and_goodput_take_the_family():
 def test_bench_rl_evaluates_and_trains_on_its_family(monkeypatch, tmp_path):
     import subprocess
 
-    from kvtier.benchmarks import rl
+    from kvtier.benchmarks import rl, rl_heldout
 
     seen = []
 
@@ -165,7 +165,7 @@ def test_bench_rl_evaluates_and_trains_on_its_family(monkeypatch, tmp_path):
         seen.append(cmd)
         return subprocess.CompletedProcess(cmd, 1, "", "stopped by the test")
 
-    monkeypatch.setattr(rl.subprocess, "run", fake_run)
+    monkeypatch.setattr(rl_heldout.subprocess, "run", fake_run)
     with pytest.raises(RuntimeError, match="stopped by the test"):
         rl.heldout_accuracy("m", rl.RLBenchShape(family="chains-long"), tmp_path)
     assert seen[0][seen[0].index("--family") + 1] == "chains-long"

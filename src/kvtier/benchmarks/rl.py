@@ -34,14 +34,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .rl_heldout import heldout_accuracy, pooled_heldout
 from .rl_plot import arm_runs
 
 ARMS = ("full", "dense", "dense-rs", "replay", "replay-fullref", "replay-share", "replay-anchor", "vllm")
@@ -119,41 +117,6 @@ def kv_pool_mb(model: str, tokens_per_trace: int, dtype: str, traces: int = POOL
     if dtype == "auto":
         dtype = auto_dtype("cpu")[0] or "bfloat16"
     return math.ceil(traces * tokens_per_trace * kv_bytes_per_token(model, DTYPE_BYTES[dtype]) / 2**20)
-
-
-def heldout_accuracy(model: str, shape: RLBenchShape, out: Path) -> dict:
-    """Greedy accuracy on the held-out local chains: {"evicted": {accuracy, ci}, "full": {...}, "seconds"}."""
-    cmd = [sys.executable, "-m", "kvtier.cli", "eval", "reasoner", "--model", model, "--problems",
-           str(shape.heldout), "--runs", "1", "--policies", "random", "--budgets", str(shape.budget), "--kinds",
-           "local", "--buffer", str(shape.buffer), "--family", shape.family, "--out", str(out)]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"held-out evaluation failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
-    result = json.loads((out / "reasoner_eval.json").read_text())
-    cells = {("full" if c["policy"] == "full" else "evicted"): {"accuracy": c["accuracy"], "ci": c["ci"]}
-             for c in result["cells"] if c["kind"] == "local"}
-    for line in (out / "instances.jsonl").read_text().splitlines():   # per problem, for the pooled CI
-        row = json.loads(line)
-        if row["task"] == "local":
-            cond = cells["full" if row["policy"] == "full" else "evicted"]
-            cond.setdefault("problems", {})[row["pid"]] = bool(row["correct"])
-    return {**cells, "seconds": round(time.monotonic() - t0, 1)}
-
-
-def pooled_heldout(ends: list[dict]) -> dict:
-    """Held-out accuracy pooled over seeds: each problem's mean over the seeds' final checkpoints, 95%
-    bootstrap CI with problems resampled (kvtier.evaluation.reasoner_eval.accuracy_ci)."""
-    from kvtier.evaluation.reasoner_eval import accuracy_ci
-
-    out = {}
-    for cond in ("evicted", "full"):
-        rows = [{"pid": pid, "correct": ok} for end in ends for pid, ok in (end.get(cond) or {}).get("problems",
-                                                                                                      {}).items()]
-        if rows:
-            out[cond] = {"accuracy": round(sum(r["correct"] for r in rows) / len(rows), 4),
-                         "ci": [round(x, 4) for x in accuracy_ci(rows)], "n": len(rows), "seeds": len(ends)}
-    return out
 
 
 def hf_checkpoint(workdir: Path, steps: int, start_model: str) -> Path:

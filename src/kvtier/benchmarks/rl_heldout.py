@@ -1,0 +1,46 @@
+"""Held-out accuracy for `kvtier bench rl`: a checkpoint's greedy accuracy on the evaluation's own local-chain
+problems (never in the train split) under random eviction at the bench's K and at full attention, per problem;
+and the pooled accuracy over seeds (problems resampled, a problem's seeds moving together)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+def heldout_accuracy(model: str, shape, out: Path) -> dict:
+    """`shape`: the bench's RLBenchShape (heldout, budget, buffer, family). Greedy accuracy on the held-out local chains: {"evicted": {accuracy, ci}, "full": {...}, "seconds"}."""
+    cmd = [sys.executable, "-m", "kvtier.cli", "eval", "reasoner", "--model", model, "--problems",
+           str(shape.heldout), "--runs", "1", "--policies", "random", "--budgets", str(shape.budget), "--kinds",
+           "local", "--buffer", str(shape.buffer), "--family", shape.family, "--out", str(out)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"held-out evaluation failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
+    result = json.loads((out / "reasoner_eval.json").read_text())
+    cells = {("full" if c["policy"] == "full" else "evicted"): {"accuracy": c["accuracy"], "ci": c["ci"]}
+             for c in result["cells"] if c["kind"] == "local"}
+    for line in (out / "instances.jsonl").read_text().splitlines():   # per problem, for the pooled CI
+        row = json.loads(line)
+        if row["task"] == "local":
+            cond = cells["full" if row["policy"] == "full" else "evicted"]
+            cond.setdefault("problems", {})[row["pid"]] = bool(row["correct"])
+    return {**cells, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def pooled_heldout(ends: list[dict]) -> dict:
+    """Held-out accuracy pooled over seeds: each problem's mean over the seeds' final checkpoints, 95%
+    bootstrap CI with problems resampled (kvtier.evaluation.reasoner_eval.accuracy_ci)."""
+    from kvtier.evaluation.reasoner_eval import accuracy_ci
+
+    out = {}
+    for cond in ("evicted", "full"):
+        rows = [{"pid": pid, "correct": ok} for end in ends for pid, ok in (end.get(cond) or {}).get("problems",
+                                                                                                      {}).items()]
+        if rows:
+            out[cond] = {"accuracy": round(sum(r["correct"] for r in rows) / len(rows), 4),
+                         "ci": [round(x, 4) for x in accuracy_ci(rows)], "n": len(rows), "seeds": len(ends)}
+    return out
