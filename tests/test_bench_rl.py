@@ -62,6 +62,11 @@ def test_heldout_pools_seeds_problem_by_problem():
     lo, hi = pooled["evicted"]["ci"]
     assert 0.0 <= lo < 0.375 < hi <= 0.75      # per-problem means 1, .5, 0, 0: no resample exceeds 0.75
     assert pooled["full"] == {"accuracy": 1.0, "ci": [1.0, 1.0], "n": 8, "seeds": 2}
+    start = {"evicted": {"problems": {"p0": False, "p1": False, "p2": False, "p3": True}},
+             "full": {"problems": {f"p{i}": True for i in range(4)}}}
+    change = pooled_heldout([a, b], start)["evicted"]["change"]      # per problem: +1, +.5, 0, -1
+    assert change["diff"] == 0.125 and change["ci"][0] < 0 < change["ci"][1]
+    assert pooled_heldout([a, b], start)["full"]["change"] == {"diff": 0.0, "ci": [0.0, 0.0]}
 
 
 def _report() -> dict:

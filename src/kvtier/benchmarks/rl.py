@@ -257,7 +257,7 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
             report["arms"][arm] = {"budget": spec.budget, "learner": spec.learner, "ref_attention": spec.ref_attention,
                                    "full_share": spec.full_share, "rollout": spec.rollout, "seeds": runs,
                                    "heldout": {"start": start,
-                                               "end": pooled_heldout([r["heldout"]["end"] for r in runs])}}
+                                               "end": pooled_heldout([r["heldout"]["end"] for r in runs], start)}}
             report["ratios"] = ratios(report)
             if out is not None:
                 out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,10 +31,13 @@ def heldout_accuracy(model: str, shape, out: Path) -> dict:
     return {**cells, "seconds": round(time.monotonic() - t0, 1)}
 
 
-def pooled_heldout(ends: list[dict]) -> dict:
+def pooled_heldout(ends: list[dict], start: dict | None = None) -> dict:
     """Held-out accuracy pooled over seeds: each problem's mean over the seeds' final checkpoints, 95%
-    bootstrap CI with problems resampled (kvtier.evaluation.reasoner_eval.accuracy_ci)."""
+    bootstrap CI with problems resampled (kvtier.evaluation.reasoner_eval.accuracy_ci). With the `start`
+    evaluation: `change` = end - start, paired by problem (kvtier.evaluation.stats.paired_bootstrap: the
+    issue's "+0.15 over its start, CI excludes 0")."""
     from kvtier.evaluation.reasoner_eval import accuracy_ci
+    from kvtier.evaluation.stats import paired_bootstrap
 
     out = {}
     for cond in ("evicted", "full"):
@@ -43,4 +46,11 @@ def pooled_heldout(ends: list[dict]) -> dict:
         if rows:
             out[cond] = {"accuracy": round(sum(r["correct"] for r in rows) / len(rows), 4),
                          "ci": [round(x, 4) for x in accuracy_ci(rows)], "n": len(rows), "seeds": len(ends)}
+            before = ((start or {}).get(cond) or {}).get("problems")
+            if before:
+                after: dict = {}
+                for r in rows:
+                    after.setdefault(r["pid"], []).append(float(r["correct"]))
+                d = paired_bootstrap(after, {pid: [float(ok)] for pid, ok in before.items()})
+                out[cond]["change"] = {"diff": round(d["diff"], 4), "ci": [round(d["lo"], 4), round(d["hi"], 4)]}
     return out
