@@ -258,7 +258,11 @@ def test_a_stopped_bench_reuses_its_finished_runs(tmp_path, monkeypatch):
     assert len(report["arms"]["full"]["seeds"]) == 2 and report["arms"]["full"]["heldout"]["end"]["full"]["n"] == 4
     rl.run_rl_bench("/m", RLBenchShape(seeds=1, kv_cache_mb=8, lr=3e-5), ["full"], tmp_path / "w",
                     echo=lambda m: None)
-    assert trained[4:] == [("full", 0, 3e-5)]
+    assert trained[4:] == [("full", 0, 3e-5)] and len(evaluated) == 6     # the start's evaluation is kept
+    # another arm's setting (dense-rs's rejection) does not retrain this one
+    rl.run_rl_bench("/m", RLBenchShape(seeds=1, kv_cache_mb=8, lr=3e-5, rejection="seq_mean_k3:0.1"),
+                    ["full", "dense-rs"], tmp_path / "w", echo=lambda m: None)
+    assert trained[5:] == [("dense-rs", 0, 3e-5)]
 
 
 def test_rollout_engine_dtype_reaches_verls_rollout_config():

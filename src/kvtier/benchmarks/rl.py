@@ -68,9 +68,16 @@ class RLBenchShape:
     rollout_dtype: str = "auto"    # the rollout engine's dtype (rl_smoke.ROLLOUT_DTYPES; auto: float32 on a CPU
                                    # without native bf16)
 
-    def run_key(self) -> dict:
-        """The settings a finished run depends on (not how many seeds the bench runs)."""
-        return {k: v for k, v in asdict(self).items() if k != "seeds"}
+    def run_key(self, arm: str) -> dict:
+        """The settings a finished run of `arm` depends on: not how many seeds the bench runs, nor another
+        arm's settings (the rejection is dense-rs's, the full-attention share the share arms')."""
+        spec = arm_spec(arm, self)
+        skip = {"seeds", *(() if arm == "dense-rs" else ("rejection",)), *(() if spec.full_share else ("full_share",))}
+        return {"arm": arm, **{k: v for k, v in asdict(self).items() if k not in skip}}
+
+    def start_key(self) -> dict:
+        """The settings the start checkpoint's held-out evaluation depends on."""
+        return {k: getattr(self, k) for k in ("heldout", "budget", "buffer", "family")}
 
 
 @dataclass(frozen=True)
@@ -228,12 +235,11 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
         shape = replace(shape, kv_cache_mb=kv_pool_mb(model, shape.response_length, shape.rollout_dtype))
         echo(f"KV pool {shape.kv_cache_mb} MiB per arm: {POOL_TRACES} traces of {shape.response_length} tokens")
     workdir.mkdir(parents=True, exist_ok=True)
-    key = {**shape.run_key(), "model": model}
     start_file = workdir / "heldout-start.json"
-    start = _reuse(start_file, key)
+    start = _reuse(start_file, {**shape.start_key(), "model": model})
     if start is None:
         start = heldout_accuracy(model, shape, workdir / "heldout-start")
-        start_file.write_text(json.dumps({"key": key, "run": start}))
+        start_file.write_text(json.dumps({"key": {**shape.start_key(), "model": model}, "run": start}))
     echo(json.dumps({"heldout_start": start}))
     report = {"budget": shape.budget, "shape": asdict(shape), "model": model, "device": "cpu",
               "heldout_start": start, "arms": {}}
@@ -242,6 +248,7 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
         runs = []
         for seed in range(shape.seeds):
             kept = workdir / arm / f"seed{seed}.json"
+            key = {**shape.run_key(arm), "model": model}
             run = _reuse(kept, key)
             if run is not None:
                 echo(f"arm {arm} seed {seed}: reusing the finished run in {kept}")
