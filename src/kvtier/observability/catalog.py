@@ -192,7 +192,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("ray_kvtier_rl_learner_mismatch", "gauge", ("stat", "learner"),
            "The last training step's learner-vs-sampler comparison over response tokens, per-token ratio = "
            "pi_learner / pi_rollout: stat token_ratio_p01 | token_ratio_p05 | token_ratio_min | share_below_0_86 | kl | "
-           "max_abs_log_ratio; learner dense | replay (rollout.custom.kvtier.learner).", TRAINER, "ratio"),
+           "max_abs_log_ratio | seq_k3_p50 | seq_k3_p90 | seq_k3_max (over samples, each sample's mean k3: verl's "
+           "seq_mean_k3); learner dense | replay (rollout.custom.kvtier.learner).", TRAINER, "ratio"),
     Metric("ray_kvtier_rl_samples_replayable_total", "counter", ("path",),
            "Training samples by the replay record the rollout returned: replayable (replayed), or not and why "
            "(full, rebuilt, multi_call, policy, no_record). What the learner did is the trainer's "
