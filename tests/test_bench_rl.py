@@ -270,3 +270,18 @@ def test_rollout_engine_dtype_reaches_verls_rollout_config():
     `auto` resolves it to float32 on a CPU without native bf16, and the override carries it."""
     assert _composed().actor_rollout_ref.rollout.dtype == "bfloat16"
     assert _composed(rollout_dtype="float32").actor_rollout_ref.rollout.dtype == "float32"
+
+
+def test_tables_read_the_report():
+    """`kvtier bench rl-table`: per arm pooled over seeds (reward windows, speed-up over full), per seed."""
+    from kvtier.benchmarks.rl_table import arm_table, seed_table
+
+    report = _report()
+    report["arms"]["replay"]["heldout"] = {"start": report["arms"]["replay"]["heldout"]["start"], "end": {
+        "evicted": {"accuracy": 0.5, "ci": [0.3, 0.7], "change": {"diff": 0.3, "ci": [0.1, 0.5]}}}}
+    rows = {line.split(" | ")[0].strip("| "): line for line in arm_table(report).splitlines()[2:]}
+    assert set(rows) == {"full", "dense", "replay"}
+    assert "| 2 | 0.30 → 0.30 |" in rows["replay"]            # 2 steps: both windows hold both steps
+    assert "+0.30 [+0.10, +0.50]" in rows["replay"] and "12.0 (2.50×)" in rows["replay"]
+    assert "30.0 |" in rows["full"] and "×" not in rows["full"]
+    assert len(seed_table(report).splitlines()) == 2 + 4      # header + one row per run (1 + 1 + 2 seeds)

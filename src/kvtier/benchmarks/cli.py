@@ -243,6 +243,19 @@ def bench_rl(
     _print_json(report)
 
 
+@bench_app.command("rl-table")
+def bench_rl_table(report: Path = typer.Argument(..., help="A `kvtier bench rl` JSON (--out).")) -> None:
+    """The report's tables as Markdown: per arm pooled over seeds (reward, held-out end and change vs start with
+    CIs, rollout speed-up, learner/sampler KL, rejected samples), then per seed (src/kvtier/benchmarks/rl_table.py)."""
+    from kvtier.benchmarks.rl_table import arm_table, seed_table, start_line
+
+    try:
+        data = json.loads(report.read_text())
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"{report}: {exc}", param_hint="REPORT") from None
+    typer.echo("\n\n".join([start_line(data), arm_table(data), seed_table(data)]))
+
+
 @bench_app.command("capacity")
 def bench_capacity(
     budget: int = typer.Option(256),

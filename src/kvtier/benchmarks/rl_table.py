@@ -1,0 +1,85 @@
+"""The tables of a `kvtier bench rl` report (docs/rl.md prints them): per arm, pooled over seeds, and per seed.
+
+Per arm: reward early and late (the mean over seeds of the first and last three steps), held-out accuracy
+under eviction and at full attention at the end with its CI and its change from the start (paired by problem),
+rollout seconds per step and the speed-up over the full arm, the learner-vs-sampler KL, the share of samples
+verl's rejection masked. Per seed: the same held-out numbers for each run, so a pooled number is never
+read without the runs behind it.
+"""
+
+from __future__ import annotations
+
+from .rl_plot import arm_runs
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _f(x, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _acc(cell: dict | None) -> str:
+    if not cell:
+        return "–"
+    lo, hi = cell["ci"]
+    return f"{cell['accuracy']:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def _change(cell: dict | None) -> str:
+    change = (cell or {}).get("change")
+    if not change:
+        return "–"
+    lo, hi = change["ci"]
+    return f"{change['diff']:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+
+def _window(runs: list[dict], first: bool, width: int = 3) -> float | None:
+    per_run = []
+    for run in runs:
+        steps = sorted(run["steps"], key=lambda s: s["step"])
+        part = steps[:width] if first else steps[-width:]
+        per_run.append(_mean(s["reward_mean"] for s in part))
+    return _mean(per_run)
+
+
+def arm_table(report: dict) -> str:
+    """One row per arm, pooled over its seeds."""
+    arms = report["arms"]
+    full_rollout = _mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
+    head = ("| arm | seeds | reward, first 3 → last 3 steps | held-out evicted: end [CI] | change vs start [CI] | "
+            "held-out full: end [CI] | change vs start [CI] | rollout s / step (× full) | learner vs rollout KL "
+            "(max) | samples rejected |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, arm in arms.items():
+        runs = arm_runs(arm)
+        end = arm["heldout"]["end"]
+        rollout = _mean(s["rollout_seconds"] for r in runs for s in r["steps"])
+        speed = f" ({full_rollout / rollout:.2f}×)" if full_rollout and rollout and name != "full" else ""
+        kl = max((s["kl"] for r in runs for s in r["steps"] if s.get("kl") is not None), default=None)
+        rejected = _mean(s.get("rejected_share") for r in runs for s in r["steps"])
+        lines.append(f"| {name} | {len(runs)} | {_f(_window(runs, True))} → {_f(_window(runs, False))} | "
+                     f"{_acc(end.get('evicted'))} | {_change(end.get('evicted'))} | {_acc(end.get('full'))} | "
+                     f"{_change(end.get('full'))} | {_f(rollout, 1)}{speed} | "
+                     f"{'–' if kl is None else f'{kl:.1e}'} | {_f(rejected)} |")
+    return "\n".join(lines)
+
+
+def seed_table(report: dict) -> str:
+    """One row per run: held-out accuracy at its end, evicted and full, and its mean reward."""
+    lines = ["| arm | seed | mean reward | held-out evicted: end | held-out full: end | train s |",
+             "|---|---|---|---|---|---|"]
+    for name, arm in report["arms"].items():
+        for run in arm_runs(arm):
+            end = run.get("heldout", {}).get("end", {})
+            lines.append(f"| {name} | {run.get('seed', 0)} | {_f(_mean(s['reward_mean'] for s in run['steps']))} | "
+                         f"{_acc(end.get('evicted'))} | {_acc(end.get('full'))} | {_f(run.get('train_seconds'), 0)} |")
+    return "\n".join(lines)
+
+
+def start_line(report: dict) -> str:
+    start = report.get("heldout_start") or next(iter(report["arms"].values()))["heldout"]["start"]
+    return (f"start: held-out evicted (K = {report['budget']}) {_acc(start.get('evicted'))}, "
+            f"full {_acc(start.get('full'))}")
