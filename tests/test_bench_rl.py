@@ -31,6 +31,8 @@ def test_arms_differ_only_in_budget_learner_anchors_and_rejection():
     assert arm_spec("dense", RLBenchShape(steps=5, rejection="seq_mean_k3:0.5")).extra == save[:2] + ["data.seed=0"]
     with pytest.raises(ValueError, match="dense-rs needs rejection"):
         arm_spec("dense-rs", shape)
+    with pytest.raises(ValueError, match="dense-rs needs rejection"):      # docs' placeholder, not a number
+        arm_spec("dense-rs", RLBenchShape(rejection="seq_mean_k3:THRESHOLD"))
     vllm = arm_spec("vllm", shape, seed=2)
     assert (vllm.budget, vllm.learner, vllm.rollout, vllm.extra) == (None, "dense", "vllm", save)
     assert {a.rollout for a in (full, dense, replay, fullref, share, anchor)} == {"kvtier"}
@@ -237,8 +239,12 @@ def test_a_stopped_bench_reuses_its_finished_runs(tmp_path, monkeypatch):
 
     trained, evaluated = [], []
 
+    partial = []
+
     def fake_run(arm, model, shape, workdir, seed, echo):
         trained.append((arm, seed, shape.lr))
+        if out.exists():                       # what a reader sees while this run trains
+            partial.append(sorted(json.loads(out.read_text())["arms"]))
         return {"seed": seed, "train_seconds": 1.0, "steps": [step_row({"step": 1, "rollout_seconds": 2.0})],
                 "logprob_agreement": {"kl": None, "max_abs_log_ratio": None}, "checkpoint": "/ckpt"}
 
@@ -254,6 +260,7 @@ def test_a_stopped_bench_reuses_its_finished_runs(tmp_path, monkeypatch):
     assert trained == [("full", 0, 1e-5), ("full", 1, 1e-5)] and len(evaluated) == 3
     rl.run_rl_bench("/m", shape, ["full", "replay"], tmp_path / "w", out=out, echo=lambda m: None)
     assert trained[2:] == [("replay", 0, 1e-5), ("replay", 1, 1e-5)] and len(evaluated) == 5
+    assert partial == [["full"], ["full"], ["full", "replay"]]   # rewritten after each run
     report = json.loads(out.read_text())
     assert len(report["arms"]["full"]["seeds"]) == 2 and report["arms"]["full"]["heldout"]["end"]["full"]["n"] == 4
     rl.run_rl_bench("/m", RLBenchShape(seeds=1, kv_cache_mb=8, lr=3e-5), ["full"], tmp_path / "w",
@@ -263,6 +270,10 @@ def test_a_stopped_bench_reuses_its_finished_runs(tmp_path, monkeypatch):
     rl.run_rl_bench("/m", RLBenchShape(seeds=1, kv_cache_mb=8, lr=3e-5, rejection="seq_mean_k3:0.1"),
                     ["full", "dense-rs"], tmp_path / "w", echo=lambda m: None)
     assert trained[5:] == [("dense-rs", 0, 3e-5)]
+    (tmp_path / "w" / "dense-rs" / "seed0.json").write_text('{"key": {"arm": "dense-')   # cut off mid-write
+    rl.run_rl_bench("/m", RLBenchShape(seeds=1, kv_cache_mb=8, lr=3e-5, rejection="seq_mean_k3:0.1"),
+                    ["dense-rs"], tmp_path / "w", echo=lambda m: None)
+    assert trained[6:] == [("dense-rs", 0, 3e-5)]                  # run again, not a crash
 
 
 def test_rollout_engine_dtype_reaches_verls_rollout_config():

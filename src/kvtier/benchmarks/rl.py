@@ -25,15 +25,19 @@ diagnostics, step, rollout and update seconds, the learner-vs-sampler per-token 
 split) of the start checkpoint and of each run's final one, greedy, under random eviction at K and at full
 attention (`kvtier eval reasoner`, in a subprocess), per seed and pooled over seeds (problems resampled, a
 problem's seeds moving together). Writes one JSON and a plot (reward and held-out accuracy vs step and vs
-wall-clock). Equal KV memory: `kv_cache_mb` None sizes every arm's pool to POOL_TRACES full traces in the rollout
-engine's dtype, so the full arm is KV-bound. Resumable: each finished run (training and its held-out evaluation)
-is kept as `<workdir>/<arm>/seed<s>.json` with its shape; a rerun with the same shape reuses it.
+wall-clock). Equal KV memory: `kv_cache_mb` None sizes every arm's pool to POOL_TRACES x response_length tokens
+in the rollout engine's dtype, so the full arm is KV-bound. Resumable: each finished run (training and its
+held-out evaluation) is kept as `<workdir>/<arm>/seed<s>.json` with the settings it depends on
+(`RLBenchShape.run_key`: not the number of seeds, not other arms' settings); a rerun with them reuses it.
+In the dense-rs arm the learner-vs-sampler tails are over the samples verl's rejection kept (verl masks the
+rejected ones before the step's metrics are read); `rejected_share` says how many it dropped.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
@@ -90,8 +94,16 @@ class ArmSpec:
     rollout: str = "kvtier"        # kvtier | vllm (rl_smoke.ROLLOUTS)
 
 
+def _numbers(text: str) -> bool:
+    """Whether `text` is one or more comma-separated numbers (verl's rollout_rs_threshold)."""
+    try:
+        return bool(text) and all(float(x) >= 0 for x in text.split(","))
+    except ValueError:
+        return False
+
+
 def arm_spec(arm: str, shape: RLBenchShape, seed: int = 0) -> ArmSpec:
-    """One arm's settings; the arms differ only in budget, learner, anchors and (dense) rejection."""
+    """One arm's settings; the arms differ only in budget, learner, anchors and (dense-rs) rejection."""
     save = [f"trainer.save_freq={shape.steps}", "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
             f"data.seed={seed}"]
     if arm == "full":
@@ -102,7 +114,7 @@ def arm_spec(arm: str, shape: RLBenchShape, seed: int = 0) -> ArmSpec:
         return ArmSpec(shape.budget, "dense", save)
     if arm == "dense-rs":
         option, _, threshold = (shape.rejection or "").partition(":")
-        if not option or not threshold:
+        if not option or not _numbers(threshold):
             raise ValueError("arm dense-rs needs rejection OPTION:THRESHOLD (--rejection, e.g. seq_mean_k3:0.2), "
                              f"not {shape.rejection!r}")
         return ArmSpec(shape.budget, "dense", save + [f"algorithm.rollout_correction.rollout_rs={option}",
@@ -201,24 +213,32 @@ def run_seed(arm: str, model: str, shape: RLBenchShape, workdir: Path, seed: int
 
 def _reuse(path: Path, key: dict) -> dict | None:
     """A finished run kept at `path` if it ran with the settings `key`, else None."""
-    if not path.exists():
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):              # none, or cut off mid-write: run it again
         return None
-    kept = json.loads(path.read_text())
     return kept["run"] if kept.get("key") == key else None
+
+
+def _keep(path: Path, key: dict, run: dict) -> None:
+    """Write a finished run whole or not at all (a bench stopped mid-write leaves no half file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "run": run}))
+    os.replace(tmp, path)
 
 
 def check_bench(shape: RLBenchShape, arms: list[str]) -> None:
     """ValueError naming what is wrong before any run: an unknown arm, dtype or family, no seeds, dense-rs
     without a rejection."""
-    from kvtier.rollout.cpu.rl_smoke import ROLLOUT_DTYPES, check_learner_dtype
+    from kvtier.rollout.cpu.rl_smoke import check_learner_dtype, check_rollout_dtype
     from kvtier.tasks.chains import family as task_family
 
     bad = [a for a in arms if a not in ARMS]
     if bad:
         raise ValueError(f"unknown arm(s) {bad}; choose from {ARMS}")
     check_learner_dtype(shape.learner_dtype)
-    if shape.rollout_dtype not in ROLLOUT_DTYPES:
-        raise ValueError(f"rollout_dtype must be one of {ROLLOUT_DTYPES}, not {shape.rollout_dtype!r}")
+    check_rollout_dtype(shape.rollout_dtype)
     task_family(shape.family)
     if shape.seeds < 1:
         raise ValueError(f"seeds must be >= 1, not {shape.seeds}")
@@ -239,9 +259,12 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
     start = _reuse(start_file, {**shape.start_key(), "model": model})
     if start is None:
         start = heldout_accuracy(model, shape, workdir / "heldout-start")
-        start_file.write_text(json.dumps({"key": {**shape.start_key(), "model": model}, "run": start}))
+        _keep(start_file, {**shape.start_key(), "model": model}, start)
     echo(json.dumps({"heldout_start": start}))
+    from kvtier.rollout.cpu.rl_smoke import resolve_rollout_dtype
+
     report = {"budget": shape.budget, "shape": asdict(shape), "model": model, "device": "cpu",
+              "rollout_engine_dtype": resolve_rollout_dtype(shape.rollout_dtype)[0] or "bfloat16",
               "heldout_start": start, "arms": {}}
     for arm in arms:
         spec = arm_spec(arm, shape)
@@ -256,8 +279,7 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
                 run = run_seed(arm, model, shape, workdir, seed, echo)
                 end = heldout_accuracy(run.pop("checkpoint"), shape, workdir / f"heldout-{arm}-seed{seed}")
                 run["heldout"] = {"start": start, "end": end}
-                kept.parent.mkdir(parents=True, exist_ok=True)
-                kept.write_text(json.dumps({"key": key, "run": run}))
+                _keep(kept, key, run)
             runs.append(run)
             echo(json.dumps({"arm": arm, "seed": seed, "heldout_end": run["heldout"]["end"],
                              "logprob_agreement": run["logprob_agreement"]}))

@@ -47,7 +47,7 @@ def register(bench_app: typer.Typer) -> None:
                                           "results/rl-cpu-2026-12-02.json ran bf16)."),
         model: Optional[str] = typer.Option(None, help="Start checkpoint (default: the shipped reasoner)."),
         workdir: Path = typer.Option(Path("artifacts/bench-rl"), help="Runs, checkpoints and evaluations."),
-        out: Optional[Path] = typer.Option(None, help="Also write the JSON here."),
+        out: Optional[Path] = typer.Option(None, help="Also write the JSON here (rewritten after each run: a partial report while it runs)."),
         plot: Optional[str] = typer.Option(None, help="Write the PNG here."),
     ) -> None:
         """GRPO through verl's trainer from one checkpoint per arm: reward and held-out accuracy (evicted and

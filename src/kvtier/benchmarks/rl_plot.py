@@ -30,12 +30,17 @@ def plot_rl(report: dict, path: str | Path) -> Path:
         runs = arm_runs(arm)
         many = len(runs) > 1
         for i, run in enumerate(runs):          # one line per seed, the arm's colour (thin beside the seeds' mean)
-            _plot_run(ax, kl_ax, run["steps"], c, None if many or i else name, alpha=0.35 if many else 1.0)
-        if many:                                # the mean over seeds at each step both seeds reached
-            steps = sorted(set.intersection(*({s["step"] for s in r["steps"]} for r in runs)))
-            mean = [sum(next(s["reward_mean"] or 0.0 for s in r["steps"] if s["step"] == k) for r in runs) / len(runs)
-                    for k in steps]
-            ax[0, 0].plot(steps, mean, "-", color=c, lw=2.5, label=f"{name} (mean of {len(runs)} seeds)")
+            _plot_run(ax, kl_ax, run["steps"], c, None if i else name, alpha=0.35 if many else 1.0,
+                      label_reward=not many)
+        if many:                                # the mean over the seeds that logged a reward at each step
+            by_step: dict[int, list[float]] = {}
+            for r in runs:
+                for s in r["steps"]:
+                    if s["reward_mean"] is not None:
+                        by_step.setdefault(s["step"], []).append(s["reward_mean"])
+            steps = sorted(by_step)
+            ax[0, 0].plot(steps, [sum(by_step[k]) / len(by_step[k]) for k in steps], "-", color=c, lw=2.5,
+                          label=f"{name} (mean of {len(runs)} seeds)")
     ax[0, 0].set(xlabel="GRPO step", ylabel="mean reward (graded)", title="reward vs step")
     ax[0, 1].set(xlabel="wall-clock (min)", ylabel="mean reward", title="reward vs wall-clock")
     ax[1, 1].axhline(0.86, color="k", lw=0.8, ls=":")
@@ -58,7 +63,8 @@ def plot_rl(report: dict, path: str | Path) -> Path:
     return path
 
 
-def _plot_run(ax, kl_ax, steps: list[dict], c, name: str | None, alpha: float = 1.0) -> None:
+def _plot_run(ax, kl_ax, steps: list[dict], c, name: str | None, alpha: float = 1.0,
+              label_reward: bool = True) -> None:
     def label(suffix=""):
         return f"{name}{suffix}" if name else None
 
@@ -66,7 +72,7 @@ def _plot_run(ax, kl_ax, steps: list[dict], c, name: str | None, alpha: float = 
     reward = [s["reward_mean"] for s in steps]
     clock = [v / 60 for v in accumulate(s["seconds"] or 0.0 for s in steps)]
     series = lambda key: [s.get(key) if s.get(key) is not None else float("nan") for s in steps]  # noqa: E731
-    ax[0, 0].plot(xs, reward, "o-", color=c, label=label(), alpha=alpha, ms=3)
+    ax[0, 0].plot(xs, reward, "o-", color=c, label=label() if label_reward else None, alpha=alpha, ms=3)
     ax[0, 1].plot(clock, reward, "o-", color=c, label=label(), alpha=alpha, ms=3)
     ax[1, 1].plot(xs, series("token_ratio_p01"), "o-", color=c, label=label(" p01"))
     ax[1, 1].plot(xs, series("token_ratio_min"), "x--", color=c, alpha=0.6, label=label(" min"))

@@ -116,6 +116,7 @@ def learner_entries(metrics: dict, prefix: str = "rollout/kvtier") -> tuple[dict
 # same criterion read the other way: p05 >= 0.86 when at most 5% of the tokens fall below 0.86 (at the
 # boundary the quantile's interpolation decides).
 TAIL_RATIO = 0.86
+SEQ_K3_LOG_RATIO_BOUND = 20.0   # verl.trainer.ppo.rollout_corr_helper.SAFETY_BOUND
 TAIL_QUANTILE = 0.05
 
 
@@ -134,9 +135,11 @@ def mismatch_metrics(old_log_probs, rollout_log_probs, response_mask,
     full_log_ratio = (old_log_probs.float() - rollout_log_probs.float()).masked_fill(~mask, 0.0)
     log_ratio = full_log_ratio[mask]
     ratio = log_ratio.exp()
-    # per sample: the mean k3 over its tokens, the statistic verl's rollout_rs=seq_mean_k3 thresholds
+    # per sample: the mean k3 over its tokens, the statistic verl's rollout_rs=seq_mean_k3 thresholds (verl
+    # clamps the log ratio to +-SAFETY_BOUND = 20 first; so does this)
     rows = mask.any(dim=-1)
-    seq_k3 = ((full_log_ratio.exp() - 1 - full_log_ratio).sum(-1) / mask.sum(-1).clamp(min=1))[rows]
+    safe = full_log_ratio.clamp(-SEQ_K3_LOG_RATIO_BOUND, SEQ_K3_LOG_RATIO_BOUND)
+    seq_k3 = ((safe.exp() - 1 - safe).sum(-1) / mask.sum(-1).clamp(min=1))[rows]
     return {f"{prefix}/kl": float((ratio - 1 - log_ratio).mean()),
             f"{prefix}/seq_k3_p50": float(torch.quantile(seq_k3, 0.5)),
             f"{prefix}/seq_k3_p90": float(torch.quantile(seq_k3, 0.9)),

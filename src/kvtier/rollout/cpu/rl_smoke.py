@@ -44,8 +44,8 @@ from kvtier.tasks.chains import FAMILIES
 from . import toy_task
 from .rl_smoke_overrides import (  # noqa: F401 - the settings' names and checks, as callers import them from here
     EXTERNAL_MODULES, LEARNER_DTYPES, REF_ATTENTIONS, ROLLOUT_DTYPES, ROLLOUTS, TRAINER_MODE, TRAINERS,
-    VLLM_WORKER_EXTENSION, check_learner_dtype, check_ref_attention, check_rollout, check_task, external_modules,
-    overrides)
+    VLLM_WORKER_EXTENSION, check_learner_dtype, check_ref_attention, check_rollout, check_rollout_dtype, check_task,
+    external_modules, overrides, resolve_rollout_dtype)
 from .rl_smoke_records import read_jsonl, step_record
 
 def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None = None, batch_size: int = 4,
@@ -67,6 +67,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
     check_task(task)
     check_ref_attention(ref_attention, learner)
     check_rollout(rollout, budget=budget, learner=learner, full_share=full_share)
+    check_rollout_dtype(rollout_dtype)
     from kvtier.models.tiny import ensure_tiny_model
     from kvtier.rollout.cpu.rl_smoke_hooks import CHECK_ENV, EVENTS_ENV
     from kvtier.rollout.verl_config import CONFIG_DIR, GRPO_CONFIG
@@ -99,15 +100,9 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "RAY_AUTH_MODE": "disabled",
     }
-    if rollout_dtype not in ROLLOUT_DTYPES:
-        raise ValueError(f"rollout_dtype must be one of {ROLLOUT_DTYPES}, not {rollout_dtype!r}")
-    engine_dtype = rollout_dtype
-    if rollout_dtype == "auto":
-        from kvtier.engine.cpu_dtype import auto_dtype
-
-        engine_dtype, why = auto_dtype("cpu")
-        if why:
-            echo(f"rollout engine {why}")
+    engine_dtype, why = resolve_rollout_dtype(rollout_dtype)
+    if why:
+        echo(why)
     args = overrides(model=model, train=train, val=val, workdir=work, steps=steps, batch_size=batch_size, n=n,
                      prompt_length=prompt_length, response_length=response_length, budget=budget, buffer=buffer,
                      kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()}, trainer=trainer,

@@ -1,6 +1,6 @@
 """verl's Hydra overrides for `kvtier rl smoke` (rl_smoke.py runs them) and the checks of their settings: which
-trainer, task, learner, reference, rollout and dtypes a run may ask for, each refused by name before verl
-starts."""
+trainer, task, learner, reference, rollout and dtypes a run may ask for (the check_* functions refuse the
+others by name before verl starts)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,24 @@ def check_learner_dtype(learner_dtype: str) -> None:
     """ValueError naming the allowed values unless `learner_dtype` is one of LEARNER_DTYPES."""
     if learner_dtype not in LEARNER_DTYPES:
         raise ValueError(f"learner_dtype must be one of {LEARNER_DTYPES}, not {learner_dtype!r}")
+
+
+def check_rollout_dtype(rollout_dtype: str) -> None:
+    """ValueError naming the allowed values unless `rollout_dtype` is one of ROLLOUT_DTYPES."""
+    if rollout_dtype not in ROLLOUT_DTYPES:
+        raise ValueError(f"rollout_dtype must be one of {ROLLOUT_DTYPES}, not {rollout_dtype!r}")
+
+
+def resolve_rollout_dtype(rollout_dtype: str) -> tuple[str | None, str | None]:
+    """(dtype for verl's rollout.dtype or None for verl's own bfloat16, one log line or None): `auto` is
+    float32 on a CPU without native bf16 (kvtier.engine.cpu_dtype.auto_dtype), a name is itself."""
+    check_rollout_dtype(rollout_dtype)
+    if rollout_dtype != "auto":
+        return rollout_dtype, None
+    from kvtier.engine.cpu_dtype import auto_dtype
+
+    dtype, why = auto_dtype("cpu")
+    return dtype, (f"rollout engine {why}" if why else None)
 
 
 def check_ref_attention(ref_attention: str, learner: str) -> None:
