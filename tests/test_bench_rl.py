@@ -46,10 +46,20 @@ def test_an_arm_whose_sampler_should_agree_with_its_learner_is_checked():
     shape = RLBenchShape()
     off = [{"step": 1, "kl": 1e-8}, {"step": 2, "kl": 0.12}]      # step 2: engine and learner on other weights
     for arm in ("vllm", "full", "replay", "replay-anchor"):
-        with pytest.raises(RuntimeError, match=r"\(2, 0.12\)"):
+        with pytest.raises(RuntimeError, match=r"\(2, 0.12, 0.001\)"):
             check_sampler_agreement(arm, arm_spec(arm, shape), off)
         check_sampler_agreement(arm, arm_spec(arm, shape), off[:1])
     check_sampler_agreement("dense", arm_spec("dense", shape), off)   # that arm's mismatch is its measurement
+    # a KV-bound replay step with preempted (rebuilt) samples, which the learner scores dense: held to SYNC_KL
+    rebuilt = {"replayed": 9, "full": 4, "rebuilt": 3}
+    check_sampler_agreement("replay-anchor", arm_spec("replay-anchor", shape),
+                            [{"step": 1, "kl": 0.004, "rollout_replayable": rebuilt}])
+    with pytest.raises(RuntimeError, match="weight sync"):
+        check_sampler_agreement("replay-anchor", arm_spec("replay-anchor", shape),
+                                [{"step": 1, "kl": 0.004, "rollout_replayable": {"replayed": 12, "full": 4}}])
+    with pytest.raises(RuntimeError, match="weight sync"):
+        check_sampler_agreement("replay", arm_spec("replay", shape),
+                                [{"step": 1, "kl": 2.5, "rollout_replayable": rebuilt}])
 
 
 def test_heldout_pools_seeds_problem_by_problem():

@@ -48,6 +48,7 @@ from .rl_smoke_overrides import (  # noqa: F401 - the settings' names and checks
     external_modules, overrides, resolve_rollout_dtype)
 from .rl_smoke_records import read_jsonl, step_record
 
+
 def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None = None, batch_size: int = 4,
               n: int = 2, prompt_length: int = 64, response_length: int = 200, budget: int | None = 64, buffer: int = 16,
               kv_cache_mb: int = 64, lr: float = 1e-3, check_tokens: int = 16, timeout: float = 1800,
