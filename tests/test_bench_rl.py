@@ -273,6 +273,10 @@ def test_a_stopped_bench_reuses_its_finished_runs(tmp_path, monkeypatch):
     assert partial == [["full"], ["full"], ["full", "replay"]]   # rewritten after each run
     report = json.loads(out.read_text())
     assert len(report["arms"]["full"]["seeds"]) == 2 and report["arms"]["full"]["heldout"]["end"]["full"]["n"] == 4
+    # a bench resumed in another session may run on another machine: each run and the start say where they ran
+    isa = report["environment"]["machine"]["isa"]
+    assert all(r["environment"]["machine"]["isa"] == isa for r in report["arms"]["full"]["seeds"])
+    assert report["heldout_start"]["environment"]["commit"] == report["environment"]["commit"]
     rl.run_rl_bench("/m", RLBenchShape(seeds=1, kv_cache_mb=8, lr=3e-5), ["full"], tmp_path / "w",
                     echo=lambda m: None)
     assert trained[4:] == [("full", 0, 3e-5)] and len(evaluated) == 6     # the start's evaluation is kept

@@ -267,15 +267,20 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
         shape = replace(shape, kv_cache_mb=kv_pool_mb(model, shape.response_length, shape.rollout_dtype))
         echo(f"KV pool {shape.kv_cache_mb} MiB per arm: {POOL_TRACES} traces of {shape.response_length} tokens")
     workdir.mkdir(parents=True, exist_ok=True)
+    from .environment import machine_and_commit
+
+    # sessions resume a bench on other machines (ISAs differ: native or emulated bf16): each run and the start
+    # evaluation say where they ran, taken before they start (the code that runs)
+    where = machine_and_commit()
     start_file = workdir / "heldout-start.json"
     start = _reuse(start_file, {**shape.start_key(), "model": model})
     if start is None:
-        start = heldout_accuracy(model, shape, workdir / "heldout-start")
+        start = {**heldout_accuracy(model, shape, workdir / "heldout-start"), "environment": where}
         _keep(start_file, {**shape.start_key(), "model": model}, start)
     echo(json.dumps({"heldout_start": start}))
     from kvtier.rollout.cpu.rl_smoke import resolve_rollout_dtype
 
-    report = {"budget": shape.budget, "shape": asdict(shape), "model": model, "device": "cpu",
+    report = {"budget": shape.budget, "shape": asdict(shape), "model": model, "device": "cpu", "environment": where,
               "rollout_engine_dtype": resolve_rollout_dtype(shape.rollout_dtype)[0] or "bfloat16",
               "heldout_start": start, "arms": {}}
     for arm in arms:
@@ -291,6 +296,7 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
                 run = run_seed(arm, model, shape, workdir, seed, echo)
                 end = heldout_accuracy(run.pop("checkpoint"), shape, workdir / f"heldout-{arm}-seed{seed}")
                 run["heldout"] = {"start": start, "end": end}
+                run["environment"] = where
                 _keep(kept, key, run)
             runs.append(run)
             echo(json.dumps({"arm": arm, "seed": seed, "heldout_end": run["heldout"]["end"],
