@@ -182,9 +182,29 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# How often a v1 trainer looks for finished samples. verl's replay buffer sleeps 2 s between looks, so a step's
+# `timing_s/gen` is the rollout rounded up to the next 2 s (CPU rollouts of 8-18 s read 8.04, 10.05, 12.05 s:
+# a 2x faster rollout measured as ~1.6x); a look is one metadata read of the TransferQueue.
+SAMPLE_POLL_SECONDS = 0.1
+
+
 class KVTierMetricsMixin:
     """For verl's v1 trainers: after verl's own metrics, the step's eviction metrics from the samples'
-    `extra_fields` in the TransferQueue (read before the trainer clears them)."""
+    `extra_fields` in the TransferQueue (read before the trainer clears them).
+
+    `kvtier_<mode>` behaves as verl's `<mode>`: verl's trainer base compares `trainer_mode` with "sync" (the
+    replay buffer's class, single-prompt refills, TransferQueue checkpoints), so a mode named `kvtier_sync`
+    would run the async paths; the mode is set to `<mode>` before the replay buffer is built (the first use,
+    right after `__init__` reads it), and the buffer polls every SAMPLE_POLL_SECONDS."""
+
+    def _build_replay_buffer(self):
+        base = self.trainer_mode.removeprefix("kvtier_")
+        if base != self.trainer_mode:
+            self.trainer_mode = base
+            self.parameter_sync_step = self.config.trainer.v1.get(base, {}).get("parameter_sync_step", 1)
+        buffer = super()._build_replay_buffer()
+        buffer.poll_interval = min(buffer.poll_interval, SAMPLE_POLL_SECONDS)
+        return buffer
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
