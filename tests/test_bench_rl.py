@@ -288,6 +288,18 @@ def test_a_stopped_bench_reuses_its_finished_runs(tmp_path, monkeypatch):
     rl.run_rl_bench("/m", RLBenchShape(seeds=1, kv_cache_mb=8, lr=3e-5, rejection="seq_mean_k3:0.1"),
                     ["dense-rs"], tmp_path / "w", echo=lambda m: None)
     assert trained[6:] == [("dense-rs", 0, 3e-5)]                  # run again, not a crash
+    # --kept-only: a report of what is kept, nothing trained, the rest listed
+    report = rl.run_rl_bench("/m", RLBenchShape(seeds=2, kv_cache_mb=8, lr=3e-5), ["full", "replay"], tmp_path / "w",
+                             out=out, echo=lambda m: None, kept_only=True)
+    assert trained[7:] == [] and len(evaluated) == 8
+    assert [r["seed"] for r in report["arms"]["full"]["seeds"]] == [0] and "replay" not in report["arms"]
+    assert report["missing"] == ["full/seed1", "replay/seed0", "replay/seed1"]
+    assert json.loads(out.read_text())["missing"] == report["missing"]
+    from kvtier.benchmarks.rl_table import start_line
+    assert start_line(report).endswith("not yet run: full/seed1, replay/seed0, replay/seed1")
+    with pytest.raises(ValueError, match="no start evaluation"):
+        rl.run_rl_bench("/other", RLBenchShape(seeds=1, kv_cache_mb=8), ["full"], tmp_path / "w", echo=lambda m: None,
+                        kept_only=True)
 
 
 def test_rollout_engine_dtype_reaches_verls_rollout_config():

@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .rl_heldout import heldout_accuracy, pooled_heldout
-from .rl_plot import arm_runs
+from .rl_store import keep, reuse
+from .rl_table import ratios
 
 ARMS = ("full", "dense", "dense-rs", "replay", "replay-fullref", "replay-share", "replay-anchor", "vllm")
 POOL_TRACES = 4                # kv_cache_mb None: the pool holds this many full traces (issue #38 item 5)
@@ -223,23 +223,6 @@ def run_seed(arm: str, model: str, shape: RLBenchShape, workdir: Path, seed: int
             "checkpoint": str(hf_checkpoint(work, shape.steps, model))}
 
 
-def _reuse(path: Path, key: dict) -> dict | None:
-    """A finished run kept at `path` if it ran with the settings `key`, else None."""
-    try:
-        kept = json.loads(path.read_text())
-    except (OSError, ValueError):              # none, or cut off mid-write: run it again
-        return None
-    return kept["run"] if kept.get("key") == key else None
-
-
-def _keep(path: Path, key: dict, run: dict) -> None:
-    """Write a finished run whole or not at all (a bench stopped mid-write leaves no half file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "run": run}))
-    os.replace(tmp, path)
-
-
 def check_bench(shape: RLBenchShape, arms: list[str]) -> None:
     """ValueError naming what is wrong before any run: an unknown arm, dtype or family, no seeds, dense-rs
     without a rejection."""
@@ -259,9 +242,11 @@ def check_bench(shape: RLBenchShape, arms: list[str]) -> None:
 
 
 def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path, plot: str | None = None,
-                 echo=print, out: Path | None = None) -> dict:
+                 echo=print, out: Path | None = None, kept_only: bool = False) -> dict:
     """Every arm's runs, in order; `out` (if given) is rewritten after each run, so a partial report exists
-    while the bench runs and a stopped bench resumes where it stopped (finished runs are reused)."""
+    while the bench runs and a stopped bench resumes where it stopped (finished runs are reused). `kept_only`:
+    nothing trains; the report holds the runs already kept in `workdir` and lists the others under `missing`
+    (a report of an unfinished series, or while another bench trains in the same workdir)."""
     check_bench(shape, arms)                   # before the start checkpoint's evaluation, not after it
     if shape.kv_cache_mb is None:
         shape = replace(shape, kv_cache_mb=kv_pool_mb(model, shape.response_length, shape.rollout_dtype))
@@ -273,23 +258,28 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
     # evaluation say where they ran, taken before they start (the code that runs)
     where = machine_and_commit()
     start_file = workdir / "heldout-start.json"
-    start = _reuse(start_file, {**shape.start_key(), "model": model})
+    start = reuse(start_file, {**shape.start_key(), "model": model})
+    if start is None and kept_only:
+        raise ValueError(f"kept_only: {start_file} holds no start evaluation for these settings")
     if start is None:
         start = {**heldout_accuracy(model, shape, workdir / "heldout-start"), "environment": where}
-        _keep(start_file, {**shape.start_key(), "model": model}, start)
+        keep(start_file, {**shape.start_key(), "model": model}, start)
     echo(json.dumps({"heldout_start": start}))
     from kvtier.rollout.cpu.rl_smoke import resolve_rollout_dtype
 
     report = {"budget": shape.budget, "shape": asdict(shape), "model": model, "device": "cpu", "environment": where,
               "rollout_engine_dtype": resolve_rollout_dtype(shape.rollout_dtype)[0] or "bfloat16",
-              "heldout_start": start, "arms": {}}
+              "heldout_start": start, "arms": {}, "missing": []}
     for arm in arms:
         spec = arm_spec(arm, shape)
         runs = []
         for seed in range(shape.seeds):
             kept = workdir / arm / f"seed{seed}.json"
             key = {**shape.run_key(arm), "model": model}
-            run = _reuse(kept, key)
+            run = reuse(kept, key)
+            if run is None and kept_only:
+                report["missing"].append(f"{arm}/seed{seed}")
+                continue
             if run is not None:
                 echo(f"arm {arm} seed {seed}: reusing the finished run in {kept}")
             else:
@@ -297,7 +287,7 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
                 end = heldout_accuracy(run.pop("checkpoint"), shape, workdir / f"heldout-{arm}-seed{seed}")
                 run["heldout"] = {"start": start, "end": end}
                 run["environment"] = where
-                _keep(kept, key, run)
+                keep(kept, key, run)
             runs.append(run)
             echo(json.dumps({"arm": arm, "seed": seed, "heldout_end": run["heldout"]["end"],
                              "logprob_agreement": run["logprob_agreement"]}))
@@ -309,25 +299,10 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
             if out is not None:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(report, indent=1) + "\n")
+    if out is not None:                  # once more: runs listed missing after the last kept one
+        out.write_text(json.dumps(report, indent=1) + "\n")
     if plot:
         from .rl_plot import plot_rl      # matplotlib on demand
 
         plot_rl(report, plot)
     return report
-
-
-def _mean(xs) -> float | None:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else None
-
-
-def ratios(report: dict) -> dict:
-    """Rollout seconds per step of each compressed arm against the full-attention arm (speed-up, x)."""
-    arms = report["arms"]
-    full = _mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
-    out = {}
-    for name, arm in arms.items():
-        mine = _mean(s["rollout_seconds"] for r in arm_runs(arm) for s in r["steps"])
-        if name != "full" and full and mine:
-            out[f"{name}_rollout_speedup_vs_full"] = round(full / mine, 3)
-    return out

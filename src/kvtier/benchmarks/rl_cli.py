@@ -49,6 +49,8 @@ def register(bench_app: typer.Typer) -> None:
         workdir: Path = typer.Option(Path("artifacts/bench-rl"), help="Runs, checkpoints and evaluations."),
         out: Optional[Path] = typer.Option(None, help="Also write the JSON here (rewritten after each run: a partial report while it runs)."),
         plot: Optional[str] = typer.Option(None, help="Write the PNG here."),
+        kept_only: bool = typer.Option(False, "--kept-only", help="Train nothing: report the runs already kept in "
+                                       "--workdir and list the others under `missing` (an unfinished series)."),
     ) -> None:
         """GRPO through verl's trainer from one checkpoint per arm: reward and held-out accuracy (evicted and
         full) vs step and wall-clock, rollout seconds, learner/sampler ratio tails (src/kvtier/benchmarks/rl.py)."""
@@ -71,7 +73,7 @@ def register(bench_app: typer.Typer) -> None:
         except ValueError as exc:                     # an unknown arm or dtype; dense-rs without --rejection
             raise typer.BadParameter(str(exc)) from None
         report = run_rl_bench(str(Path(model or reasoner_dir()).resolve()), shape, arms.split(","), workdir.resolve(),
-                              plot, echo=typer.echo, out=out)
+                              plot, echo=typer.echo, out=out, kept_only=kept_only)
         typer.echo(json.dumps(report, indent=2))
 
 

@@ -9,12 +9,26 @@ read without the runs behind it.
 
 from __future__ import annotations
 
+import math
+
 from .rl_plot import arm_runs
 
 
 def _mean(xs) -> float | None:
-    xs = [x for x in xs if x is not None]
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
     return sum(xs) / len(xs) if xs else None
+
+
+def ratios(report: dict) -> dict:
+    """Rollout seconds per step of each compressed arm against the full-attention arm (speed-up, x)."""
+    arms = report["arms"]
+    full = _mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
+    out = {}
+    for name, arm in arms.items():
+        mine = _mean(s["rollout_seconds"] for r in arm_runs(arm) for s in r["steps"])
+        if name != "full" and full and mine:
+            out[f"{name}_rollout_speedup_vs_full"] = round(full / mine, 3)
+    return out
 
 
 def _f(x, digits: int = 2) -> str:
@@ -81,5 +95,7 @@ def seed_table(report: dict) -> str:
 
 def start_line(report: dict) -> str:
     start = report.get("heldout_start") or next(iter(report["arms"].values()))["heldout"]["start"]
-    return (f"start: held-out evicted (K = {report['budget']}) {_acc(start.get('evicted'))}, "
+    line = (f"start: held-out evicted (K = {report['budget']}) {_acc(start.get('evicted'))}, "
             f"full {_acc(start.get('full'))}")
+    missing = report.get("missing")
+    return line + (f"; not yet run: {', '.join(missing)}" if missing else "")
