@@ -293,10 +293,10 @@ def test_a_stopped_bench_reuses_its_finished_runs(tmp_path, monkeypatch):
                              out=out, echo=lambda m: None, kept_only=True)
     assert trained[7:] == [] and len(evaluated) == 8
     assert [r["seed"] for r in report["arms"]["full"]["seeds"]] == [0] and "replay" not in report["arms"]
-    assert report["missing"] == ["full/seed1", "replay/seed0", "replay/seed1"]
+    assert report["missing"] == [f"{r}/seed{s} (kept with other lr)" for r, s in (("full", 1), ("replay", 0), ("replay", 1))]
     assert json.loads(out.read_text())["missing"] == report["missing"]
     from kvtier.benchmarks.rl_table import start_line
-    assert start_line(report).endswith("not yet run: full/seed1, replay/seed0, replay/seed1")
+    assert start_line(report).startswith("start: ") and "not yet run: full/seed1 (kept with other lr), replay/seed0" in start_line(report)
     with pytest.raises(ValueError, match="no start evaluation"):
         rl.run_rl_bench("/other", RLBenchShape(seeds=1, kv_cache_mb=8), ["full"], tmp_path / "w", echo=lambda m: None,
                         kept_only=True)

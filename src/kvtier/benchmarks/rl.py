@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .rl_heldout import heldout_accuracy, pooled_heldout
-from .rl_store import keep, reuse
+from .rl_store import differing_settings, keep, reuse
 from .rl_table import ratios
 
 ARMS = ("full", "dense", "dense-rs", "replay", "replay-fullref", "replay-share", "replay-anchor", "vllm")
@@ -278,7 +278,9 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
             key = {**shape.run_key(arm), "model": model}
             run = reuse(kept, key)
             if run is None and kept_only:
-                report["missing"].append(f"{arm}/seed{seed}")
+                other = differing_settings(kept, key)      # kept under other settings: say which
+                report["missing"].append(f"{arm}/seed{seed}" + (f" (kept with other {', '.join(other)})"
+                                                                 if other else ""))
                 continue
             if run is not None:
                 echo(f"arm {arm} seed {seed}: reusing the finished run in {kept}")
@@ -299,7 +301,9 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
             if out is not None:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(report, indent=1) + "\n")
+    report.setdefault("ratios", ratios(report))
     if out is not None:                  # once more: runs listed missing after the last kept one
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1) + "\n")
     if plot:
         from .rl_plot import plot_rl      # matplotlib on demand

@@ -72,8 +72,13 @@ def register(bench_app: typer.Typer) -> None:
             check_bench(shape, arms.split(","))
         except ValueError as exc:                     # an unknown arm or dtype; dense-rs without --rejection
             raise typer.BadParameter(str(exc)) from None
-        report = run_rl_bench(str(Path(model or reasoner_dir()).resolve()), shape, arms.split(","), workdir.resolve(),
-                              plot, echo=typer.echo, out=out, kept_only=kept_only)
+        try:
+            report = run_rl_bench(str(Path(model or reasoner_dir()).resolve()), shape, arms.split(","),
+                                  workdir.resolve(), plot, echo=typer.echo, out=out, kept_only=kept_only)
+        except ValueError as exc:                     # --kept-only and no start evaluation kept for these settings
+            if not kept_only:
+                raise
+            raise typer.BadParameter(str(exc), param_hint="--kept-only") from None
         typer.echo(json.dumps(report, indent=2))
 
 

@@ -24,3 +24,12 @@ def keep(path: Path, key: dict, run: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"key": key, "run": run}))
     os.replace(tmp, path)
+
+
+def differing_settings(path: Path, key: dict) -> list[str]:
+    """The settings in which the run kept at `path` differs from `key` (empty: none kept, or the same)."""
+    try:
+        kept = json.loads(path.read_text()).get("key") or {}
+    except (OSError, ValueError):
+        return []
+    return sorted(k for k in set(kept) | set(key) if kept.get(k) != key.get(k))

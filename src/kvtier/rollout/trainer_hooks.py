@@ -203,7 +203,8 @@ class KVTierMetricsMixin:
             self.trainer_mode = base
             self.parameter_sync_step = self.config.trainer.v1.get(base, {}).get("parameter_sync_step", 1)
         buffer = super()._build_replay_buffer()
-        buffer.poll_interval = min(buffer.poll_interval, SAMPLE_POLL_SECONDS)
+        if hasattr(buffer, "poll_interval"):          # a custom sampler (trainer.v1.sampler.custom_sampler) may have none
+            buffer.poll_interval = min(buffer.poll_interval, SAMPLE_POLL_SECONDS)
         return buffer
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
