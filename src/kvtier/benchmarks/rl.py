@@ -241,6 +241,14 @@ def check_bench(shape: RLBenchShape, arms: list[str]) -> None:
         arm_spec(arm, shape)
 
 
+def _write(report: dict, out: Path | None) -> None:
+    """Ratios brought up to date; the report written to `out` (if any)."""
+    report["ratios"] = ratios(report)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+
+
 def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path, plot: str | None = None,
                  echo=print, out: Path | None = None, kept_only: bool = False) -> dict:
     """Every arm's runs, in order; `out` (if given) is rewritten after each run, so a partial report exists
@@ -297,14 +305,8 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
                                    "full_share": spec.full_share, "rollout": spec.rollout, "seeds": runs,
                                    "heldout": {"start": start,
                                                "end": pooled_heldout([r["heldout"]["end"] for r in runs], start)}}
-            report["ratios"] = ratios(report)
-            if out is not None:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(report, indent=1) + "\n")
-    report.setdefault("ratios", ratios(report))
-    if out is not None:                  # once more: runs listed missing after the last kept one
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
+            _write(report, out)
+    _write(report, out)                  # once more: runs listed missing after the last kept one
     if plot:
         from .rl_plot import plot_rl      # matplotlib on demand
 

@@ -15,17 +15,21 @@ from .rl_plot import arm_runs
 
 
 def _mean(xs) -> float | None:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    xs = [x for x in xs if x is not None]          # a NaN step shows as nan in the tables
     return sum(xs) / len(xs) if xs else None
+
+
+def _finite_mean(xs) -> float | None:
+    return _mean(x for x in xs if x is None or math.isfinite(x))
 
 
 def ratios(report: dict) -> dict:
     """Rollout seconds per step of each compressed arm against the full-attention arm (speed-up, x)."""
     arms = report["arms"]
-    full = _mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
+    full = _finite_mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
     out = {}
     for name, arm in arms.items():
-        mine = _mean(s["rollout_seconds"] for r in arm_runs(arm) for s in r["steps"])
+        mine = _finite_mean(s["rollout_seconds"] for r in arm_runs(arm) for s in r["steps"])
         if name != "full" and full and mine:
             out[f"{name}_rollout_speedup_vs_full"] = round(full / mine, 3)
     return out
