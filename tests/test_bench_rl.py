@@ -115,7 +115,9 @@ def test_plot_writes_a_png(tmp_path):
 
     out = plot_rl(_report(), tmp_path / "rl.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    old = json.loads(sorted(RESULTS.glob("rl-cpu-2026-12-02.json"))[0].read_text())   # a report from before seeds
+    # a report from before seeds (2026-12-02's, in results/HISTORY.md): each arm is its one run
+    old = {**_report(), "arms": {name: {**arm["seeds"][0], "heldout": arm["heldout"]}
+                                 for name, arm in _report()["arms"].items()}}
     assert plot_rl(old, tmp_path / "old.png").exists()
 
 
@@ -158,7 +160,7 @@ def test_learner_dtype_reaches_verls_actor_and_reference_configs():
         cfg = _composed(learner_dtype=dtype) if dtype != "fp32" else _composed()
         for role in (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref):
             assert role.fsdp_config.mixed_precision.param_dtype == dtype
-    assert RLBenchShape().learner_dtype == "fp32"   # results/rl-cpu-2026-12-02.json ran bf16 (its shape says)
+    assert RLBenchShape().learner_dtype == "fp32"   # the first run (2026-12-02, results/HISTORY.md) ran bf16
     with pytest.raises(ValueError, match="learner_dtype must be one of"):
         _composed(learner_dtype="fp16")
 

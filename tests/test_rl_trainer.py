@@ -176,7 +176,7 @@ def test_replay_learner_agrees_with_the_rollout_on_the_graded_task(smoke_replay)
         tails = s["learner_vs_rollout"]
         assert set(tails) == {"kl", "max_abs_log_ratio", "token_ratio_min", "token_ratio_p01", "token_ratio_p05",
                               "share_below_0_86", "seq_k3_p50", "seq_k3_p90", "seq_k3_max"}, tails
-        # bounds from a bf16 engine vs fp32 learner (results/rl-cpu-2026-12-02.json's replay arm: kl ~1e-5, max
+        # bounds from a bf16 engine vs fp32 learner (the first bench rl run's replay arm, results/HISTORY.md: kl ~1e-5, max
         # |log ratio| up to ~0.5, p01 ~0.997, share < 0.86 ~5e-4; its dense arm: kl 0.09-0.17, max |log ratio|
         # 18-23, p01 1e-4-0.12, share < 0.86 1.3-2.6%); on a CPU without native bf16 the engine is float32
         # (rollout dtype auto) and the numbers are far smaller

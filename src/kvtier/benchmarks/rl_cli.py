@@ -44,7 +44,7 @@ def register(bench_app: typer.Typer) -> None:
                                           "on a CPU without AVX512-BF16/AMX, verl's bfloat16 elsewhere."),
         learner_dtype: str = typer.Option("fp32", help="The actor's compute dtype (fp32; bf16, verl's default, is "
                                           "emulated on CPUs without native bf16: ~25x slower backward; "
-                                          "results/rl-cpu-2026-12-02.json ran bf16)."),
+                                          "the first run, 2026-12-02 in results/HISTORY.md, ran bf16)."),
         model: Optional[str] = typer.Option(None, help="Start checkpoint (default: the shipped reasoner)."),
         workdir: Path = typer.Option(Path("artifacts/bench-rl"), help="Runs, checkpoints and evaluations."),
         out: Optional[Path] = typer.Option(None, help="Also write the JSON here (rewritten after each run: a partial report while it runs)."),
