@@ -42,18 +42,19 @@ def plot_rl(report: dict, path: str | Path) -> Path:
             ax[0, 0].plot(steps, [sum(by_step[k]) / len(by_step[k]) for k in steps], "-", color=c, lw=2.5,
                           label=f"{name} (mean of {len(runs)} seeds)")
     ax[0, 0].set(xlabel="GRPO step", ylabel="mean reward (graded)", title="reward vs step")
-    ax[0, 1].set(xlabel="wall-clock (min)", ylabel="mean reward", title="reward vs wall-clock")
+    ax[0, 1].set(xlabel="wall-clock (min)", ylabel="mean reward", title="reward vs wall-clock (one line per seed)")
     ax[1, 1].axhline(0.86, color="k", lw=0.8, ls=":")
     ax[1, 1].set(xlabel="GRPO step", ylabel="pi_learner / pi_rollout", yscale="log",
-                 title="per-token ratio: 1st percentile and min")
+                 title="per-token ratio: 1st percentile (o-) and min (x--)")
     ax[2, 0].set(xlabel="GRPO step", ylabel="grad norm (before clipping)", title="update: grad norm")
-    ax[2, 1].set(xlabel="GRPO step", ylabel="entropy (o)", title="update: entropy and ppo_kl")
-    kl_ax.set_ylabel("ppo_kl (x)")
-    kl_ax.legend(fontsize=8, loc="lower right")
+    ax[2, 1].set(xlabel="GRPO step", ylabel="entropy (o-)", title="update: entropy (o-) and ppo_kl (x--)")
+    kl_ax.set_ylabel("ppo_kl (x--)")
     _heldout(ax[1, 0], report)
     for a in ax.flat:
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+    # one colour per arm in every panel: the arms' legend once, the held-out panel's conditions in its own
+    ax[0, 0].legend(fontsize=7)
+    ax[1, 0].legend(fontsize=7)
     fig.suptitle(f"GRPO on kvtier rollouts, random K={report['budget']} (CPU, reasoner, local chains)")
     fig.tight_layout()
     path = Path(path)
@@ -65,20 +66,17 @@ def plot_rl(report: dict, path: str | Path) -> Path:
 
 def _plot_run(ax, kl_ax, steps: list[dict], c, name: str | None, alpha: float = 1.0,
               label_reward: bool = True) -> None:
-    def label(suffix=""):
-        return f"{name}{suffix}" if name else None
-
     xs = [s["step"] for s in steps]
     reward = [s["reward_mean"] for s in steps]
     clock = [v / 60 for v in accumulate(s["seconds"] or 0.0 for s in steps)]
     series = lambda key: [s.get(key) if s.get(key) is not None else float("nan") for s in steps]  # noqa: E731
-    ax[0, 0].plot(xs, reward, "o-", color=c, label=label() if label_reward else None, alpha=alpha, ms=3)
-    ax[0, 1].plot(clock, reward, "o-", color=c, label=label(), alpha=alpha, ms=3)
-    ax[1, 1].plot(xs, series("token_ratio_p01"), "o-", color=c, label=label(" p01"))
-    ax[1, 1].plot(xs, series("token_ratio_min"), "x--", color=c, alpha=0.6, label=label(" min"))
-    ax[2, 0].plot(xs, series("grad_norm"), "o-", color=c, label=label())
-    ax[2, 1].plot(xs, series("entropy"), "o-", color=c, label=label(" entropy"))
-    kl_ax.plot(xs, series("ppo_kl"), "x--", color=c, alpha=0.7, label=label(" ppo_kl"))
+    ax[0, 0].plot(xs, reward, "o-", color=c, label=name if label_reward else None, alpha=alpha, ms=3)
+    ax[0, 1].plot(clock, reward, "o-", color=c, alpha=alpha, ms=3)
+    ax[1, 1].plot(xs, series("token_ratio_p01"), "o-", color=c)
+    ax[1, 1].plot(xs, series("token_ratio_min"), "x--", color=c, alpha=0.6)
+    ax[2, 0].plot(xs, series("grad_norm"), "o-", color=c)
+    ax[2, 1].plot(xs, series("entropy"), "o-", color=c)
+    kl_ax.plot(xs, series("ppo_kl"), "x--", color=c, alpha=0.7)
 
 
 def _heldout(ax, report: dict) -> None:
@@ -92,10 +90,10 @@ def _heldout(ax, report: dict) -> None:
                 continue
             lo, hi = cell["ci"]
             x = i + (j - 0.5) * 0.38
-            ax.bar(x, cell["accuracy"], 0.36, color=COLORS.get(label, "tab:green"), hatch=hatch, alpha=0.8,
+            ax.bar(x, cell["accuracy"], 0.36, color=COLORS.get(label, "white"), hatch=hatch, alpha=0.8, edgecolor="k",
                    label=f"{cond}" if i == 0 else None)
             ax.errorbar(x, cell["accuracy"], yerr=[[cell["accuracy"] - lo], [hi - cell["accuracy"]]], color="k",
                         capsize=3)
-    ax.set_xticks(range(len(bars)), [b[0] for b in bars])
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=30, ha="right")
     ax.set(ylim=(0, 1.05), ylabel="held-out accuracy (greedy)",
            title=f"held-out local chains: random K={report['budget']} (plain) / full (hatched)")
