@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -84,3 +84,52 @@ def register(eval_app: typer.Typer) -> None:
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text + "\n")
+
+    @eval_app.command("probe-heads")
+    def eval_probe_heads(
+        model: Optional[List[str]] = typer.Option(None, help="Model directory, repeatable: models side by side "
+                                                  "(default: the shipped src/kvtier/models/reasoner)."),
+        family: str = typer.Option("chains", help="Task family of the needles (chains, chains-long)."),
+        n: int = typer.Option(32, help="Held-out needle problems."),
+        budget: int = typer.Option(512, help="K of the random eviction around the key line."),
+        buffer: int = typer.Option(32, help="r: recent buffer and round cadence."),
+        heads: Optional[str] = typer.Option(None, help="Comma-separated numbers of KV heads per layer that keep the "
+                                            "key line (default every count 0..H; 0 and H are always run)."),
+        seed: int = typer.Option(0),
+        threads: int = typer.Option(2, help="torch CPU threads."),
+        out: Path = typer.Option(Path("artifacts/probe-heads"), help="Writes key_line.json, key_line.md, key_line.png."),
+    ) -> None:
+        """Needle retrieval against the number of KV heads that keep the key line (the seed paper's §5.2,
+        Figure 3a's shape, on the reasoner's needle task; src/kvtier/evaluation/probes/key_line.py)."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from kvtier.deathtime import ATTN_NAME, register
+        from kvtier.models.reasoner import reasoner_dir
+        from kvtier.tasks.chains import family as task_family
+
+        from .probes.key_line import format_key_line, run_key_line_probe
+        from .reasoner_plot import plot_key_line
+
+        try:
+            task_family(family)
+            counts = [int(h) for h in _csv(heads)] if heads else None
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        torch.set_num_threads(threads)
+        register()
+        results = {}
+        for path in model or [str(reasoner_dir())]:
+            lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTN_NAME).eval()
+            try:
+                res = run_key_line_probe(lm, AutoTokenizer.from_pretrained(path), family=family, heads=counts, n=n,
+                                         budget=budget, buffer=buffer, seed=seed, log=typer.echo)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--heads") from None
+            results[Path(path).name] = {**res, "model": path}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "key_line.json").write_text(json.dumps({"results": results}, indent=1) + "\n")
+        table = "\n".join(f"{name}: {format_key_line(res)}" for name, res in results.items())
+        (out / "key_line.md").write_text(table)
+        plot_key_line(results, out / "key_line.png")
+        typer.echo(table)

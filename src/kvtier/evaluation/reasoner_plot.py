@@ -56,3 +56,37 @@ def plot_accuracy_vs_budget(result: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_key_line(results: dict[str, dict], path: str | Path) -> Path:
+    """The key-line probe (Figure 3a's shape): needle retrieval (95% CI) against the share of each layer's KV
+    heads that keep the key line, one line per model. results: label -> `run_key_line_probe`'s dict."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (label, res) in enumerate(results.items()):
+        H = res["num_kv_heads"]
+        conds = res["conditions"]
+        xs = [c["heads_keeping_key"] / H for c in conds]
+        ys = [c["retrieval"] for c in conds]
+        err = [[y - c["retrieval_ci"][0] for y, c in zip(ys, conds)], [c["retrieval_ci"][1] - y for y, c in zip(ys, conds)]]
+        color, marker = EXTRA[i % len(EXTRA)]
+        ax.errorbar(xs, ys, yerr=err, color=color, marker=marker, capsize=3, label=f"{label} ({H} KV heads)")
+        for x, y, c in zip(xs, ys, conds):
+            ax.annotate(str(c["heads_keeping_key"]), (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7,
+                        color=color)
+    first = next(iter(results.values()))
+    ax.set(xlabel="share of each layer's KV heads that keep the key line (annotated: heads)",
+           ylabel="needle retrieval (teacher-forced)", ylim=(-0.03, 1.03),
+           title=f"key-line probe: random K = {first['budget']}, {first['instances']} needles of {first['family']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,72 @@
+"""The key-line probe (issue #36, §5.2 on the reasoner's needle task): instances locate the key line and
+the answer, each condition's deaths pin the key in exactly its heads, and the probe's ends are anchored
+(R = 0 with the key gone everywhere, 1 with it kept everywhere). On the shipped reasoner: seconds."""
+
+import pytest
+import torch
+
+from kvtier.deathtime import NEVER
+from kvtier.evaluation.probes.key_line import (deaths_for_condition, format_key_line, head_orders,
+                                               key_line_instances, run_key_line_probe)
+from kvtier.models.reasoner import REASONER_DIR, build_reasoner_tokenizer
+from kvtier.tasks import chains
+
+SHIPPED = (REASONER_DIR / "model.safetensors").exists()
+
+
+def test_instances_locate_the_key_line_the_question_and_the_answer():
+    tok = build_reasoner_tokenizer()
+    for inst, p in zip(key_line_instances(tok, "chains", 3), chains.eval_problems(3, "needle")):
+        assert tok.decode(inst.ids[inst.key[0]:inst.key[1]]) == f"k={p.answer}\n"
+        assert tok.decode(inst.ids[inst.question:inst.question + 2]) == "?k"
+        assert tok.decode([inst.ids[j] for j in inst.answer]) == p.answer
+        assert inst.prompt_len < inst.key[0] < inst.question < inst.answer[0]
+
+
+def test_each_condition_keeps_the_key_in_exactly_its_heads_and_evicts_the_rest():
+    tok = build_reasoner_tokenizer()
+    inst = key_line_instances(tok, "chains", 1)[0]
+    L, H, K, r = 4, 8, 256, 32
+    orders = head_orders(inst, L, H)
+    assert all(sorted(o) == list(range(H)) for o in orders) and len({tuple(o) for o in orders}) > 1
+    a, b = inst.key
+    for h in (0, 1, 3, 8):
+        deaths, sites = deaths_for_condition(inst, h, L, H, K, r)
+        assert sorted(sites) == sorted((l, hd) for l in range(L) for hd in orders[l][:h])   # nested: first h
+        for l in range(L):
+            for hd in range(H):
+                d = deaths[l, hd, a:b]
+                if (l, hd) in sites:
+                    assert bool((d == NEVER).all()), (h, l, hd)
+                else:
+                    assert bool((d <= inst.question).all()), (h, l, hd, d)
+        assert bool((deaths[:, :, :inst.prompt_len] == NEVER).all())          # the prompt is kept
+        alive_at_end = (deaths == NEVER).sum(-1)
+        assert int(alive_at_end.max()) <= K + 2 * r < len(inst.ids)           # random eviction bounded every head
+    # one eviction seed per instance: every condition evicts the same entries until the key's first round
+    d0, _ = deaths_for_condition(inst, 0, L, H, K, r)
+    d8, _ = deaths_for_condition(inst, 8, L, H, K, r)
+    before = d0 < int(d0[:, :, a:b].min())
+    assert int(before.sum()) > 0 and bool((d8[before] == d0[before]).all())
+
+
+@pytest.mark.skipif(not SHIPPED, reason="the shipped reasoner is not present")
+def test_probe_on_the_shipped_reasoner_is_anchored_at_both_ends():
+    from transformers import AutoModelForCausalLM
+
+    from kvtier.deathtime import ATTN_NAME, register
+
+    register()
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(REASONER_DIR), dtype=torch.float32,
+                                                 attn_implementation=ATTN_NAME).eval()
+    res = run_key_line_probe(model, build_reasoner_tokenizer(), family="chains", n=3, budget=512, buffer=32,
+                             n_boot=200)
+    conds = {c["heads_keeping_key"]: c for c in res["conditions"]}
+    assert sorted(conds) == [0, 1, 2] and res["num_kv_heads"] == 2
+    assert conds[0]["R"] == 0.0 and conds[2]["R"] == 1.0
+    assert all(c["pins_ok"] == 3 for c in conds.values())
+    assert conds[2]["mean_lp"] > conds[0]["mean_lp"]                          # the key line carries the answer
+    assert "| 2 of 2 |" in format_key_line(res)
+    with pytest.raises(ValueError, match="within 0..2"):
+        run_key_line_probe(model, build_reasoner_tokenizer(), family="chains", heads=[3], n=1)
