@@ -122,8 +122,8 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_committed_result_has_the_issue_shape():
-    """results/rl-cpu-*.json: every arm's runs (one per seed, or the arm itself before seeds) carry the issue's
-    step fields; held-out start/end, evicted and full."""
+    """results/rl-cpu-*.json, the latest: a finished series of >= 3 seeds per arm whose every step carries the
+    issue's diagnostics; held-out start/end per run and pooled, evicted and full."""
     from kvtier.benchmarks.rl_plot import arm_runs
 
     files = sorted(RESULTS.glob("rl-cpu-*.json"))
@@ -131,13 +131,19 @@ def test_committed_result_has_the_issue_shape():
         pytest.skip("no committed kvtier bench rl result")
     report = json.loads(files[-1].read_text())
     assert {"full", "dense", "replay"} <= set(report["arms"]) and report["budget"] > 0
-    for arm in report["arms"].values():
+    assert report.get("missing") == [], report.get("missing")            # a finished series, not a partial one
+    for name, arm in report["arms"].items():
+        assert len(arm_runs(arm)) >= 3, name                                  # #38: three seeds per arm
         for run in arm_runs(arm):
+            assert set(run["heldout"]) == {"start", "end"} and run["steps"], (name, run.get("seed"))
             for s in run["steps"]:
-                assert {"step", "reward_mean", "seconds", "rollout_seconds", "token_ratio_min", "token_ratio_p01",
-                        "share_below_0_86"} <= set(s)
+                # #38 item 1: every per-step diagnostic, logged (a value, not a missing key) in every step
+                for key in ("step", "reward_mean", "seconds", "rollout_seconds", "token_ratio_min", "token_ratio_p01",
+                            "share_below_0_86", "groups_with_signal", "pg_loss", "grad_norm", "ppo_kl", "clipfrac",
+                            "kl_loss", "entropy", "update_seconds"):
+                    assert s.get(key) is not None, (name, run.get("seed"), s["step"], key)
             assert set(run["logprob_agreement"]) == {"kl", "max_abs_log_ratio"}
-        for when in ("start", "end"):
+        for when in ("start", "end"):                                         # pooled over the seeds
             assert {"evicted", "full"} <= set(arm["heldout"][when])
 
 

@@ -1,6 +1,7 @@
 """The plot of `kvtier bench rl`: reward vs step and vs wall-clock, held-out accuracy at the start and end of
 each arm (under eviction at K and at full attention, 95% CI), the learner/sampler ratio's lower tail, and
-the update's diagnostics per step: grad norm, and entropy with ppo_kl (a twin axis)."""
+every per-step diagnostic of issue #38: groups with signal, policy loss, grad norm, ppo_kl with the clip
+fraction, KL loss, entropy, rollout and update seconds. One colour per arm in every panel."""
 
 from __future__ import annotations
 
@@ -23,14 +24,13 @@ def plot_rl(report: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(3, 2, figsize=(11, 11))
-    kl_ax = ax[2, 1].twinx()
+    fig, ax = plt.subplots(6, 2, figsize=(11, 21))
     for name, arm in report["arms"].items():
         c = COLORS.get(name)
         runs = arm_runs(arm)
         many = len(runs) > 1
         for i, run in enumerate(runs):          # one line per seed, the arm's colour (thin beside the seeds' mean)
-            _plot_run(ax, kl_ax, run["steps"], c, None if i else name, alpha=0.35 if many else 1.0,
+            _plot_run(ax, run["steps"], c, None if i else name, alpha=0.35 if many else 1.0,
                       label_reward=not many)
         if many:                                # the mean over the seeds that logged a reward at each step
             by_step: dict[int, list[float]] = {}
@@ -46,9 +46,8 @@ def plot_rl(report: dict, path: str | Path) -> Path:
     ax[1, 1].axhline(0.86, color="k", lw=0.8, ls=":")
     ax[1, 1].set(xlabel="GRPO step", ylabel="pi_learner / pi_rollout", yscale="log",
                  title="per-token ratio: 1st percentile (o-) and min (x--)")
-    ax[2, 0].set(xlabel="GRPO step", ylabel="grad norm (before clipping)", title="update: grad norm")
-    ax[2, 1].set(xlabel="GRPO step", ylabel="entropy (o-)", title="update: entropy (o-) and ppo_kl (x--)")
-    kl_ax.set_ylabel("ppo_kl (x--)")
+    for (i, j), (_, ylabel, title) in PANELS.items():
+        ax[i, j].set(xlabel="GRPO step", ylabel=ylabel, title=title)
     _heldout(ax[1, 0], report)
     for a in ax.flat:
         a.grid(alpha=0.3)
@@ -56,7 +55,7 @@ def plot_rl(report: dict, path: str | Path) -> Path:
     ax[0, 0].legend(fontsize=7)
     ax[1, 0].legend(fontsize=7)
     fig.suptitle(f"GRPO on kvtier rollouts, random K={report['budget']} (CPU, reasoner, local chains)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))   # room for the suptitle
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -64,8 +63,18 @@ def plot_rl(report: dict, path: str | Path) -> Path:
     return path
 
 
-def _plot_run(ax, kl_ax, steps: list[dict], c, name: str | None, alpha: float = 1.0,
-              label_reward: bool = True) -> None:
+# (row, column) -> (step keys, one per line style, y label, title)
+PANELS = {(2, 0): (("groups_with_signal",), "groups", "groups with differing rewards (GRPO's signal)"),
+          (2, 1): (("pg_loss",), "policy loss", "update: policy loss"),
+          (3, 0): (("grad_norm",), "grad norm (before clipping)", "update: grad norm"),
+          (3, 1): (("ppo_kl", "clipfrac"), "ppo_kl (o-), clip fraction (x--)", "update: ppo_kl and clip fraction"),
+          (4, 0): (("kl_loss",), "KL loss", "update: KL loss to the reference"),
+          (4, 1): (("entropy",), "entropy", "update: entropy of the trained policy"),
+          (5, 0): (("rollout_seconds",), "seconds", "rollout seconds per step"),
+          (5, 1): (("update_seconds",), "seconds", "update seconds per step")}
+
+
+def _plot_run(ax, steps: list[dict], c, name: str | None, alpha: float = 1.0, label_reward: bool = True) -> None:
     xs = [s["step"] for s in steps]
     reward = [s["reward_mean"] for s in steps]
     clock = [v / 60 for v in accumulate(s["seconds"] or 0.0 for s in steps)]
@@ -74,9 +83,9 @@ def _plot_run(ax, kl_ax, steps: list[dict], c, name: str | None, alpha: float = 
     ax[0, 1].plot(clock, reward, "o-", color=c, alpha=alpha, ms=3)
     ax[1, 1].plot(xs, series("token_ratio_p01"), "o-", color=c)
     ax[1, 1].plot(xs, series("token_ratio_min"), "x--", color=c, alpha=0.6)
-    ax[2, 0].plot(xs, series("grad_norm"), "o-", color=c)
-    ax[2, 1].plot(xs, series("entropy"), "o-", color=c)
-    kl_ax.plot(xs, series("ppo_kl"), "x--", color=c, alpha=0.7)
+    for (i, j), (keys, _, _) in PANELS.items():
+        for key, style in zip(keys, ("o-", "x--")):
+            ax[i, j].plot(xs, series(key), style, color=c, alpha=max(alpha, 0.6), ms=3)
 
 
 def _heldout(ax, report: dict) -> None:
