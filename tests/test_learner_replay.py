@@ -16,6 +16,7 @@ from kvtier.rollout.learner_replay import (MODEL_TYPE, ReplayConfigError, check_
 from kvtier.rollout.metrics import eviction_metrics_from_fields, mismatch_metrics
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
+PPO_KL_BOUND = 1e-3        # tests/test_rl_trainer.py's bound on the replay update's |ppo_kl|
 
 REPLAYED = {"kvtier_budget": 24, "kvtier_seed": 9, "kvtier_buffer": 8, "kvtier_policy": "random",
             "kvtier_policy_params": None, "kvtier_preemptions": 0, "kvtier_generate_calls": 1}
@@ -279,3 +280,37 @@ def test_replay_memory_bench_measures_host_and_device_bytes_per_rank():
     assert 0 <= r["host_bytes_per_rank"] < HOST_LIMIT_BYTES and r["within_host_limit"]
     assert r["host_bytes_per_rank_cached_before"] == 32 * r["bytes_per_sample"]
     assert r["seconds_per_sample"] > 0
+
+
+def test_a_dense_update_would_break_the_ppo_kl_bound():
+    """The negative control of tests/test_rl_trainer.py's replay ppo_kl check (#38 item 1, |ppo_kl| <
+    PPO_KL_BOUND there): were update_actor's forward dense while the old log-probs were replayed, ppo_kl (verl:
+    the token mean of old - new log-probs) would read the replayed-minus-dense difference. On the shipped
+    reasoner's gold traces at that run's K = 512 it is -2.1e-3 (4 local chains), twice the bound; on sampled
+    traces the dense learner's mismatch is larger (the dense arms' learner-vs-rollout KL per step, 0.007-0.026
+    in results/rl-cpu-2026-12-04.json)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvtier.models.reasoner import build_reasoner_tokenizer, reasoner_dir
+    from kvtier.tasks import chains
+
+    register()
+    model = AutoModelForCausalLM.from_pretrained(str(reasoner_dir()), dtype=torch.float32,
+                                                 attn_implementation=ATTN_NAME).eval()
+    tok = build_reasoner_tokenizer()
+    diff, tokens = 0.0, 0
+    for i, p in enumerate(chains.eval_problems(4, "local")):
+        prompt = tok(p.prompt)["input_ids"]
+        ids = torch.tensor([prompt + tok(p.trace, add_special_tokens=False)["input_ids"]])
+        deaths = simulate_deaths(make_policy("random"), EvictionSchedule(budget=512, buffer=32), len(prompt),
+                                 ids.shape[1], num_layers=model.config.num_hidden_layers,
+                                 num_kv_heads=model.config.num_key_value_heads, seed=i)
+        target = ids[0, len(prompt):]
+        with torch.no_grad():
+            def logp(**kw):
+                out = torch.log_softmax(model(input_ids=ids, **kw).logits[0, len(prompt) - 1:-1].float(), -1)
+                return out.gather(1, target[:, None])[:, 0]
+            replayed, dense = logp(kvtier_deaths=deaths.unsqueeze(0)), logp()
+        diff += float((replayed - dense).sum())
+        tokens += len(target)
+    assert abs(diff / tokens) > PPO_KL_BOUND, diff / tokens

@@ -7,7 +7,7 @@ import torch
 
 from kvtier.deathtime import NEVER
 from kvtier.evaluation.probes.key_line import (deaths_for_condition, format_key_line, head_orders,
-                                               key_line_instances, run_key_line_probe)
+                                               key_line_instances, pins_hold, run_key_line_probe)
 from kvtier.models.reasoner import REASONER_DIR, build_reasoner_tokenizer
 from kvtier.tasks import chains
 
@@ -43,6 +43,12 @@ def test_each_condition_keeps_the_key_in_exactly_its_heads_and_evicts_the_rest()
         assert bool((deaths[:, :, :inst.prompt_len] == NEVER).all())          # the prompt is kept
         alive_at_end = (deaths == NEVER).sum(-1)
         assert int(alive_at_end.max()) <= K + 2 * r < len(inst.ids)           # random eviction bounded every head
+    # the audit agrees with the explicit check above, and fails where the rounds do not reach the key: at a
+    # budget beyond the trace nothing is evicted, so the key survives in the unchosen heads too
+    deaths, sites = deaths_for_condition(inst, 3, L, H, K, r)
+    assert pins_hold(deaths, inst, sites)
+    deaths, sites = deaths_for_condition(inst, 3, L, H, 4096, r)
+    assert not pins_hold(deaths, inst, sites)
     # one eviction seed per instance: every condition evicts the same entries until the key's first round
     d0, _ = deaths_for_condition(inst, 0, L, H, K, r)
     d8, _ = deaths_for_condition(inst, 8, L, H, K, r)
@@ -63,10 +69,13 @@ def test_probe_on_the_shipped_reasoner_is_anchored_at_both_ends():
     res = run_key_line_probe(model, build_reasoner_tokenizer(), family="chains", n=3, budget=512, buffer=32,
                              n_boot=200)
     conds = {c["heads_keeping_key"]: c for c in res["conditions"]}
-    assert sorted(conds) == [0, 1, 2] and res["num_kv_heads"] == 2
-    assert conds[0]["R"] == 0.0 and conds[2]["R"] == 1.0
-    assert all(c["pins_ok"] == 3 for c in conds.values())
-    assert conds[2]["mean_lp"] > conds[0]["mean_lp"]                          # the key line carries the answer
-    assert "| 2 of 2 |" in format_key_line(res)
+    assert sorted(conds) == [0, 1, 2] and res["num_kv_heads"] == 2 and res["pins_held"]
+    # the key line carries the answer: deleting it everywhere costs log-prob against keeping it everywhere,
+    # and full attention (the shipped model: 1.00 on needles) retrieves every one
+    assert conds[2]["mean_lp"] > conds[0]["mean_lp"] + 1.0
+    assert res["full_attention"]["retrieval"] == 1.0 and res["full_attention"]["mean_lp"] >= conds[2]["mean_lp"]
+    assert "| 2 of 2 |" in format_key_line(res) and "full attention (no eviction)" in format_key_line(res)
     with pytest.raises(ValueError, match="within 0..2"):
         run_key_line_probe(model, build_reasoner_tokenizer(), family="chains", heads=[3], n=1)
+    with pytest.raises(ValueError, match="K=2048"):                   # the rounds never reach the key
+        run_key_line_probe(model, build_reasoner_tokenizer(), family="chains", n=1, budget=2048)

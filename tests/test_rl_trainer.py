@@ -44,7 +44,7 @@ LOGPROB_TOL = 0.06
 # the first step's KL loss against a full-attention reference, with half the tiny model's samples evicted
 KL_FLOOR = 1e-3
 # the replay update's |ppo_kl| on an on-policy step (old and new log-probs under the same deaths: numerics);
-# test_a_dense_update_would_break_the_ppo_kl_bound shows what a dense fallback would read
+# tests/test_learner_replay.py's test_a_dense_update_would_break_the_ppo_kl_bound: what a dense fallback reads
 PPO_KL_BOUND = 1e-3
 
 
@@ -197,40 +197,3 @@ def test_replay_learner_agrees_with_the_rollout_on_the_graded_task(smoke_replay)
     assert any(s["advantage_abs_max"] > 0 for s in steps), "every group's reward was constant: no GRPO signal"
     # the reference replays the same deaths with the same weights on the first step: its KL loss is numerics
     assert steps[0]["kl_loss"] is not None and abs(steps[0]["kl_loss"]) < 1e-6, steps[0]
-
-
-def test_a_dense_update_would_break_the_ppo_kl_bound():
-    """The negative control of the replay run's ppo_kl check (#38 item 1): were update_actor's forward dense
-    while the old log-probs were replayed, ppo_kl (verl: the token mean of old - new log-probs) would read the
-    replayed-minus-dense difference. On the shipped reasoner's gold traces at the run's K = 512 that is above
-    PPO_KL_BOUND (on sampled traces larger still: the dense arms' learner-vs-rollout KL, 0.02-0.03 in
-    results/rl-cpu-2026-12-04.json)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from kvtier.deathtime import ATTN_NAME, register, simulate_deaths
-    from kvtier.models.reasoner import build_reasoner_tokenizer, reasoner_dir
-    from kvtier.policies import EvictionSchedule, make_policy
-    from kvtier.tasks import chains
-
-    register()
-    torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(str(reasoner_dir()), dtype=torch.float32,
-                                                 attn_implementation=ATTN_NAME).eval()
-    tok = build_reasoner_tokenizer()
-    diff, tokens = 0.0, 0
-    for i, p in enumerate(chains.eval_problems(4, "local")):
-        prompt = tok(p.prompt)["input_ids"]
-        ids = torch.tensor([prompt + tok(p.trace, add_special_tokens=False)["input_ids"]])
-        deaths = simulate_deaths(make_policy("random"), EvictionSchedule(budget=512, buffer=32), len(prompt),
-                                 ids.shape[1], num_layers=4, num_kv_heads=2, seed=i)
-        target = ids[0, len(prompt):]
-        with torch.no_grad():
-            def logp(**kw):
-                out = torch.log_softmax(model(input_ids=ids, **kw).logits[0, len(prompt) - 1:-1].float(), -1)
-                return out.gather(1, target[:, None])[:, 0]
-            replayed, dense = logp(kvtier_deaths=deaths.unsqueeze(0)), logp()
-        diff += float((replayed - dense).sum())
-        tokens += len(target)
-    assert abs(diff / tokens) > PPO_KL_BOUND, diff / tokens
-

@@ -11,11 +11,17 @@ import sys
 import time
 from pathlib import Path
 
+# The evaluation engine's dtype, the same on every machine: a series resumed on another CPU (native or emulated
+# bf16) evaluates alike; every committed series ran it (eval reasoner's own default, auto, would pick float32
+# on a CPU without native bf16).
+HELDOUT_DTYPE = "bfloat16"
+
+
 def heldout_accuracy(model: str, shape, out: Path) -> dict:
     """`shape`: the bench's RLBenchShape (heldout, budget, buffer, family). Greedy accuracy on the held-out local chains: {"evicted": {accuracy, ci}, "full": {...}, "seconds"}."""
     cmd = [sys.executable, "-m", "kvtier.cli", "eval", "reasoner", "--model", model, "--problems",
            str(shape.heldout), "--runs", "1", "--policies", "random", "--budgets", str(shape.budget), "--kinds",
-           "local", "--buffer", str(shape.buffer), "--family", shape.family, "--out", str(out)]
+           "local", "--buffer", str(shape.buffer), "--family", shape.family, "--dtype", HELDOUT_DTYPE, "--out", str(out)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:

@@ -32,6 +32,8 @@ def register(eval_app: typer.Typer) -> None:
         temperature: float = typer.Option(0.0, help="0: greedy (the R paired seeds drive random's draws)."),
         seed: int = typer.Option(0),
         threads: int = typer.Option(1, help="torch CPU threads."),
+        dtype: str = typer.Option("auto", help="Engine dtype: auto (float32 on a CPU without AVX512-BF16/AMX, "
+                                  "where bf16 matmuls are emulated; else bfloat16), bfloat16, float32."),
     ) -> None:
         """Full, random, snapkv, rkv, h2o, streaming x K on both task kinds; prints JSON, writes report.md
         (every pairwise comparison: paired problem-clustered bootstrap CI + sign test) and the plot.
@@ -54,8 +56,11 @@ def register(eval_app: typer.Typer) -> None:
             kw["budgets"] = tuple(int(b) for b in _csv(budgets))
         if kinds:
             kw["kinds"] = tuple(_csv(kinds))
-        cfg = ReasonerEvalConfig(buffer=buffer, temperature=temperature, seed=seed, threads=threads,
-                                 model=model or "", family=family, **kw)
+        try:
+            cfg = ReasonerEvalConfig(buffer=buffer, temperature=temperature, seed=seed, threads=threads,
+                                     model=model or "", family=family, dtype=dtype, **kw)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--dtype") from None
         try:
             check_positions(cfg)             # before any engine: the model must hold the family's traces
         except ValueError as exc:
@@ -118,14 +123,18 @@ def register(eval_app: typer.Typer) -> None:
             raise typer.BadParameter(str(exc)) from None
         torch.set_num_threads(threads)
         register()
+        paths = model or [str(reasoner_dir())]
+        if len({Path(p).name for p in paths}) < len(paths):
+            raise typer.BadParameter(f"two models share a folder name ({paths}): results are labelled by it",
+                                     param_hint="--model")
         results = {}
-        for path in model or [str(reasoner_dir())]:
+        for path in paths:
             lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTN_NAME).eval()
             try:
                 res = run_key_line_probe(lm, AutoTokenizer.from_pretrained(path), family=family, heads=counts, n=n,
                                          budget=budget, buffer=buffer, seed=seed, log=typer.echo)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc), param_hint="--heads") from None
+            except ValueError as exc:                   # names the setting: heads out of range, or the budget
+                raise typer.BadParameter(str(exc)) from None
             results[Path(path).name] = {**res, "model": path}
         out.mkdir(parents=True, exist_ok=True)
         (out / "key_line.json").write_text(json.dumps({"results": results}, indent=1) + "\n")

@@ -61,9 +61,13 @@ class ReasonerEvalConfig:
     kv_cache_mb: int = 512
     model: str = ""
     family: str = rt.DEFAULT_FAMILY     # the task family (kvtier.tasks.chains.FAMILIES)
+    dtype: str = "auto"                 # engine dtype: auto (float32 on a CPU without native bf16, where vLLM's
+                                        # bf16 matmuls are ~70x slower; else the models' bfloat16) | bfloat16 | float32
 
     def __post_init__(self):
         self.max_tokens = self.max_tokens or rt.family(self.family).max_tokens   # ValueError: unknown family
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 
     @property
     def max_model_len(self) -> int:
@@ -71,15 +75,30 @@ class ReasonerEvalConfig:
         return -(-(self.max_tokens + 64) // 512) * 512
 
 
+DTYPES = ("auto", "bfloat16", "float32")
 QUICK = dict(problems=16, runs=1, policies=("random", "streaming"), budgets=(128, 512))
 
 
+def engine_dtype(requested: str, log=print) -> str:
+    """The engine dtype `requested` resolves to; auto says once what it chose where that is not bfloat16."""
+    import torch
+
+    from kvtier.engine.cpu_dtype import auto_dtype
+
+    if requested != "auto":
+        return requested
+    dtype, why = auto_dtype("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype:
+        log(why)
+    return dtype or "bfloat16"
+
+
 def build_engine(cfg: ReasonerEvalConfig):
-    """An in-process compressed vLLM engine on the reasoner (bf16, eager, prefix caching off)."""
+    """An in-process compressed vLLM engine on the reasoner (cfg.dtype resolved, eager, prefix caching off)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from kvtier.engine.api import build_llm
 
-    return build_llm(cfg.model, eviction={"default": {"buffer": cfg.buffer}},
+    return build_llm(cfg.model, eviction={"default": {"buffer": cfg.buffer}}, dtype=cfg.dtype,
                      kv_cache_bytes=cfg.kv_cache_mb << 20, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                      enforce_eager=True)
 
@@ -160,6 +179,7 @@ def run_reasoner_eval(cfg: ReasonerEvalConfig, out: str | Path, *, llm=None) -> 
 
     torch.set_num_threads(cfg.threads)
     cfg.model = cfg.model or str(reasoner_dir())
+    cfg.dtype = engine_dtype(cfg.dtype)      # the result's config records what ran
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if llm is None:
