@@ -134,20 +134,20 @@ def run_key_line_probe(model, tokenizer, *, family: str, heads: list[int] | None
                 log(f"instance {inst.iid + 1}/{len(insts)}: retrieved at h = "
                     f"{[h for h in heads if res[h]['exact'][-1]]}")
     kept, deleted = np.array(res[H]["lp"]), np.array(res[0]["lp"])
+
+    def retrieval(key) -> dict:
+        exact = np.array(res[key]["exact"], dtype=float)
+        lo, hi = np.percentile(bootstrap_replicates(exact, n_boot, seed), [2.5, 97.5])
+        return {"retrieval": float(exact.mean()), "retrieval_ci": [float(lo), float(hi)],
+                "mean_lp": float(np.mean(res[key]["lp"]))}
+
     conditions = []
     for h in heads:
-        exact = np.array(res[h]["exact"], dtype=float)
-        lo, hi = np.percentile(bootstrap_replicates(exact, n_boot, seed), [2.5, 97.5])
         lp = np.array(res[h]["lp"])
-        conditions.append({"heads_keeping_key": h, "retrieval": float(exact.mean()),
-                           "retrieval_ci": [float(lo), float(hi)], "mean_lp": float(lp.mean()),
-                           "R": recall_R(lp, kept, deleted), "R_ci": list(recall_ci(lp, kept, deleted, n_boot=n_boot, seed=seed)),
+        conditions.append({"heads_keeping_key": h, **retrieval(h), "R": recall_R(lp, kept, deleted), "R_ci": list(recall_ci(lp, kept, deleted, n_boot=n_boot, seed=seed)),
                            "exact": [bool(e) for e in res[h]["exact"]]})
-    full = np.array(res["full"]["exact"], dtype=float)
-    full_ci = np.percentile(bootstrap_replicates(full, n_boot, seed), [2.5, 97.5])
     return {"probe": "key_line", "family": family, "instances": len(insts), "budget": budget, "buffer": buffer,
-            "full_attention": {"retrieval": float(full.mean()), "retrieval_ci": [float(v) for v in full_ci],
-                               "mean_lp": float(np.mean(res["full"]["lp"]))}, "pins_held": True,
+            "full_attention": retrieval("full"), "pins_held": True,
             "num_layers": L, "num_kv_heads": H, "seed": seed,
             "key_to_question_tokens": rt.family(family).key_to_question_tokens, "conditions": conditions}
 
