@@ -130,11 +130,10 @@ def arm_spec(arm: str, shape: RLBenchShape, seed: int = 0) -> ArmSpec:
 def kv_pool_mb(model: str, tokens_per_trace: int, dtype: str, traces: int = POOL_TRACES) -> int:
     """MiB (rounded up) of KV cache holding `traces` sequences of `tokens_per_trace` in `dtype` (auto: as the
     rollout engine resolves it here)."""
-    from kvtier.engine.cpu_dtype import auto_dtype
+    from kvtier.engine.cpu_dtype import resolve_dtype
     from kvtier.service.sizing import DTYPE_BYTES, kv_bytes_per_token
 
-    if dtype == "auto":
-        dtype = auto_dtype("cpu")[0] or "bfloat16"
+    dtype = resolve_dtype(dtype, "cpu")[0] or "bfloat16"
     return math.ceil(traces * tokens_per_trace * kv_bytes_per_token(model, DTYPE_BYTES[dtype]) / 2**20)
 
 

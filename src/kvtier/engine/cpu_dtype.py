@@ -39,6 +39,13 @@ def auto_dtype(accelerator: str, flags: set[str] | None = None) -> tuple[str | N
                        "torch's fallback (~70x slower); KV entries are 4 bytes, so kv_cache_bytes holds half the tokens")
 
 
+def resolve_dtype(requested: str | None, accelerator: str, flags: set[str] | None = None) -> tuple[str | None, str | None]:
+    """(dtype, why) for a dtype setting: `auto` (or unset) as `auto_dtype` resolves it, a name as itself."""
+    if requested in (None, "auto"):
+        return auto_dtype(accelerator, flags)
+    return str(requested), None
+
+
 def bf16_slow_path_note(dtype: str | None, accelerator: str, flags: set[str] | None = None) -> str | None:
     """One line for an engine given `dtype` explicitly (None: the model's, bfloat16 for kvtier's models) on
     `accelerator` when its matmuls would take torch's slow bf16 path on this CPU; None when they would not

@@ -83,12 +83,10 @@ def engine_dtype(requested: str, log=print) -> str:
     """The engine dtype `requested` resolves to; auto says once what it chose where that is not bfloat16."""
     import torch
 
-    from kvtier.engine.cpu_dtype import auto_dtype
+    from kvtier.engine.cpu_dtype import resolve_dtype
 
-    if requested != "auto":
-        return requested
-    dtype, why = auto_dtype("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype:
+    dtype, why = resolve_dtype(requested, "cuda" if torch.cuda.is_available() else "cpu")
+    if why:
         log(why)
     return dtype or "bfloat16"
 

@@ -42,10 +42,9 @@ def block_size(eng: EngineConfig) -> int:
 def engine_dtype(eng: EngineConfig) -> tuple[str | None, str | None]:
     """(dtype, why) the engine runs: its engine_kwargs.dtype unless that is `auto` or absent, which is float32
     on a CPU without native bf16 (why: one log line) and otherwise None, the model's own dtype."""
-    from kvtier.engine.cpu_dtype import auto_dtype
+    from kvtier.engine.cpu_dtype import resolve_dtype
 
-    dtype = eng.engine_kwargs.get("dtype", "auto")
-    return auto_dtype(eng.accelerator) if dtype == "auto" else (str(dtype), None)
+    return resolve_dtype(eng.engine_kwargs.get("dtype"), eng.accelerator)
 
 
 def pool_blocks(eng: EngineConfig, model: str | Path | Mapping[str, Any], kv_bytes: int) -> int:

@@ -60,11 +60,9 @@ def resolve_rollout_dtype(rollout_dtype: str) -> tuple[str | None, str | None]:
     """(dtype for verl's rollout.dtype or None for verl's own bfloat16, one log line or None): `auto` is
     float32 on a CPU without native bf16 (kvtier.engine.cpu_dtype.auto_dtype), a name is itself."""
     check_rollout_dtype(rollout_dtype)
-    if rollout_dtype != "auto":
-        return rollout_dtype, None
-    from kvtier.engine.cpu_dtype import auto_dtype
+    from kvtier.engine.cpu_dtype import resolve_dtype
 
-    dtype, why = auto_dtype("cpu")
+    dtype, why = resolve_dtype(rollout_dtype, "cpu")
     return dtype, (f"rollout engine {why}" if why else None)
 
 
