@@ -79,3 +79,23 @@ def test_probe_on_the_shipped_reasoner_is_anchored_at_both_ends():
         run_key_line_probe(model, build_reasoner_tokenizer(), family="chains", heads=[3], n=1)
     with pytest.raises(ValueError, match="K=2048"):                   # the rounds never reach the key
         run_key_line_probe(model, build_reasoner_tokenizer(), family="chains", n=1, budget=2048)
+
+
+@pytest.mark.skipif(not SHIPPED, reason="the shipped reasoner is not present")
+def test_probe_heads_command_as_documented(tmp_path):
+    """`kvtier eval probe-heads` (docs/commands.md): writes key_line.json/.md/.png; bad settings are CLI errors."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    res = CliRunner().invoke(app, ["eval", "probe-heads", "--n", "1", "--heads", "1", "--threads", "1",
+                                   "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    out = json.loads((tmp_path / "key_line.json").read_text())["results"]["reasoner"]
+    assert [c["heads_keeping_key"] for c in out["conditions"]] == [0, 1, 2] and (tmp_path / "key_line.png").exists()
+    for args, word in ((["--heads", "5"], "within 0..2"), (["--budget", "2048"], "K=2048"),
+                       (["--family", "nope"], "unknown task family")):
+        res = CliRunner().invoke(app, ["eval", "probe-heads", "--n", "1", *args, "--out", str(tmp_path / "bad")])
+        assert res.exit_code == 2 and word in res.output, res.output
