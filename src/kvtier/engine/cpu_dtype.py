@@ -24,6 +24,15 @@ def cpu_flags() -> set[str]:
     return set(line.split(":", 1)[1].split())
 
 
+def cpu_model() -> str | None:
+    """/proc/cpuinfo's `model name` (None where there is none): what a training records it ran on."""
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return None
+    return line.split(":", 1)[1].strip()
+
+
 def native_bf16(flags: set[str] | None = None) -> bool | None:
     """Whether this CPU has AVX512-BF16 or AMX; None where /proc/cpuinfo cannot tell."""
     flags = cpu_flags() if flags is None else flags

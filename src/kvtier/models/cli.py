@@ -27,3 +27,10 @@ def register(app: typer.Typer) -> None:
 
     register_reasoner(model_app)
     app.add_typer(model_app, name="model")
+
+
+if __name__ == "__main__":   # `python -m kvtier.models.cli ...`: where only torch, transformers and typer are (a GPU box)
+    from kvtier.models.reasoner_cli import register as register_reasoner_commands
+
+    register_reasoner_commands(model_app)
+    model_app()

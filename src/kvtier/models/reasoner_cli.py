@@ -40,6 +40,9 @@ def register(model_app: typer.Typer) -> None:
         evict: str = typer.Option(d.evict, help="Train under simulated eviction, POLICY:K[,K...][:r] (e.g. "
                                   "random:128,256,512:32; src/kvtier/models/train_eviction.py). '': full attention."),
         full_share: float = typer.Option(d.full_share, help="With --evict: share of samples under full attention."),
+        device: str = typer.Option(d.device, help="cpu or cuda[:i] (torch only; a checkpoint resumes on either)."),
+        workers: int = typer.Option(d.workers, help="With --evict: processes simulating evictions ahead of the steps "
+                                    "(keeps a GPU fed; 0: inline)."),
     ) -> None:
         """Deterministic CPU training (resumes from OUT/ckpt.pt); writes the model, tokenizer, TRAINING.json.
         Steps per second in each precision: --steps 24 --dtype float32 and --dtype bfloat16, each with its own
@@ -57,10 +60,32 @@ def register(model_app: typer.Typer) -> None:
         from .reasoner_train import train
 
         rec = train(TrainConfig(steps=steps, seed=seed, batch=batch, lr=lr, threads=threads,
-                                dtype=dtype, family=family, shape=shape, init_from=init_from, short_batch=short_batch, warmup=warmup,
+                                dtype=dtype, family=family, shape=shape, device=device, workers=workers, init_from=init_from, short_batch=short_batch, warmup=warmup,
                                 answer_weight=answer_weight, evict=evict, full_share=full_share), out,
                     log=lambda s: typer.echo(s))
         typer.echo(json.dumps({k: v for k, v in rec.items() if k != "loss_curve"}, indent=1))
+
+    @model_app.command("train-recipe")
+    def train_recipe(
+        shape: str = typer.Option(..., help="Model shape (kvtier.models.reasoner.SHAPES), e.g. long-2kv, long-8kv."),
+        work: Path = typer.Option(..., help="Phase directories go here (WORK/<phase>/, each a model directory)."),
+        recipe: str = typer.Option("long", help="kvtier.models.reasoner_recipe.RECIPES: the phases, steps and seeds."),
+        device: str = typer.Option("cpu", help="cpu or cuda[:i]."),
+        workers: int = typer.Option(0, help="Eviction phases: processes simulating evictions ahead of the steps."),
+        through: str = typer.Option("", help="Stop after this phase ('': all)."),
+    ) -> None:
+        """Run a recipe's phases in order, each from the last; finished phases are skipped, a paused one resumes
+        (same command), on any device. The long-chain reasoners: --recipe long (docs/reasoner.md)."""
+        from .reasoner import SHAPES
+        from .reasoner_recipe import run_recipe
+
+        if shape not in SHAPES:
+            raise typer.BadParameter(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}", param_hint="--shape")
+        try:
+            res = run_recipe(recipe, shape, work, device, workers, through, log=lambda s: typer.echo(s))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--recipe/--through") from None
+        typer.echo(json.dumps(res))
 
     @model_app.command("export-checkpoint")
     def export_checkpoint_cmd(

@@ -67,9 +67,14 @@ class TrainConfig:
     full_share: float = 0.25       # with evict: the share of samples under full attention
     family: str = rt.DEFAULT_FAMILY  # the task family (kvtier.tasks.chains.FAMILIES)
     shape: str = "base"            # the model's shape (reasoner.SHAPES); with init_from, the model's own
+    device: str = "cpu"            # cpu | cuda[:i]: where the steps run (not part of what a checkpoint must match)
+    workers: int = 0               # with evict: processes simulating the evictions ahead of the steps (DeathsAhead)
 
 
 DTYPES = ("auto", "float32", "bfloat16")
+# How a run is executed, not what it computes: a checkpoint resumes across them (TRAINING.json's `devices`
+# records where each stretch of steps ran; a GPU's float sums differ from a CPU's in the last bits).
+RUN_ONLY = ("device", "workers")
 
 
 def resolve_dtype(requested: str, device: str = "cpu", flags: set[str] | None = None) -> tuple[str, str]:
@@ -178,13 +183,26 @@ def teacher_forced_accuracy(model, tok, problems, mix: EvictMix | None = None, b
 
     ids, labels = _batch(tok, problems, tok.pad_token_id)
     extra = deaths_for(mix, [(budget, i) for i in range(len(problems))], labels, model) if budget else {}
+    dev = model.device
     with torch.no_grad():
-        pred = model(input_ids=ids, **extra).logits[:, :-1].argmax(-1)
+        pred = model(input_ids=ids.to(dev), **_on(extra, dev)).logits[:, :-1].argmax(-1).cpu()
     tgt = labels[:, 1:]
     mask = tgt != -100
     ok = (pred == tgt) | ~mask
     return {"token_accuracy": float(((pred == tgt) & mask).sum() / mask.sum()),
             "trace_exact": float(ok.all(dim=1).float().mean())}
+
+
+def _on(extra: dict, device) -> dict:
+    return {k: v.to(device) for k, v in extra.items()}
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return f"cpu ({cpu_dtype.cpu_model() or 'unknown'})"
 
 
 def _save_hf(model, tok, out: Path) -> str:
@@ -200,7 +218,7 @@ def _save_hf(model, tok, out: Path) -> str:
     cfg.save_pretrained(str(out))
     GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=0).save_pretrained(str(out))
     tok.save_pretrained(str(out))
-    state = {k: v.detach().to(torch.bfloat16).contiguous().clone() for k, v in sorted(model.state_dict().items())
+    state = {k: v.detach().to("cpu", torch.bfloat16).contiguous().clone() for k, v in sorted(model.state_dict().items())
              if k != "lm_head.weight"}                                   # tied to embed_tokens
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -240,7 +258,9 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     from transformers import Qwen3ForCausalLM
 
     fam = rt.family(cfg.family)
-    dtype, dtype_reason = resolve_dtype(cfg.dtype)
+    dtype, dtype_reason = resolve_dtype(cfg.dtype, cfg.device)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {cfg.device!r}: torch sees no CUDA device here (--device cpu)")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     out = Path(out)
@@ -258,6 +278,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         mcfg = reasoner_config(cfg.shape)
         mcfg._attn_implementation = attn
         model = Qwen3ForCausalLM(mcfg)
+    model.to(cfg.device)
     positions = model.config.max_position_embeddings
     tok.model_max_length = positions
     if longest_sequence(fam) > positions:
@@ -270,9 +291,11 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     exclude = held_out_keys(family=fam.name)
     start, history, elapsed = 0, [], 0.0
     ckpt = out / "ckpt.pt"
-    run_cfg = {**asdict(cfg), "dtype": dtype}        # what the weights depend on: the resolved dtype
+    run_cfg = {k: v for k, v in asdict(cfg).items() if k not in RUN_ONLY}
+    run_cfg["dtype"] = dtype                          # what the weights depend on: the resolved dtype
+    devices = []
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=False, map_location="cpu")   # load_state_dict places it
         saved = _saved_config(state["config"])
         # Only `steps` may differ, and only while still in warmup (the schedules agree up to there).
         same = {**saved, "steps": cfg.steps} == run_cfg and state["step"] <= cfg.warmup
@@ -283,20 +306,43 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         opt.load_state_dict(state["opt"])
         start, history, elapsed = state["step"], state["history"], state["elapsed"]
         window = state.get("window", [])
+        devices = state.get("devices") or [{"from_step": 0, "device": "cpu (before devices were recorded)"}]
         log(f"resumed at step {start}")
     else:
         window = []
+    here = _device_name(cfg.device)
+    if not devices or devices[-1]["device"] != here:
+        if devices:
+            log(f"resuming on {here}; steps before {start} ran on {devices[-1]['device']} (TRAINING.json records both)")
+        devices.append({"from_step": start, "device": here})
     t0 = time.time() - elapsed
     stop = _StopOnSignal()
 
     def save(step: int) -> None:
         torch.save({"config": run_cfg, "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "history": history, "window": window, "elapsed": time.time() - t0}, ckpt)
+                    "history": history, "window": window, "elapsed": time.time() - t0, "devices": devices}, ckpt)
+
+    def step_data(step: int):
+        """[(problems, (ids, labels), plan)] per group of `step`: a function of the step alone."""
+        groups = [step_problems(cfg.seed, step, cfg.batch, exclude, fam.name)]
+        if cfg.short_batch:
+            groups.append(short_problems(cfg.seed, step, cfg.short_batch, fam.name))
+        return [(g, _batch(tok, g, tok.pad_token_id),
+                 mix.assign(cfg.seed, step, str(i), len(g)) if mix else [(None, 0)] * len(g))
+                for i, g in enumerate(groups)]
+
+    ahead = None
+    if mix is not None and cfg.workers > 0:
+        from .train_eviction import DeathsAhead
+
+        ahead = DeathsAhead(mix, model.config, lambda s: [(plan, b[1]) for _, b, plan in step_data(s)], cfg.workers)
 
     model.train()
     step_seconds = []
     for step in range(start, cfg.steps):
         if stop.requested:                    # SIGTERM/SIGINT: pause (resume with the same command)
+            if ahead is not None:
+                ahead.close()
             save(step)
             stop.restore()
             log(f"paused at step {step}: {ckpt}")
@@ -304,19 +350,16 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
         step_t0 = time.time()
-        groups = [step_problems(cfg.seed, step, cfg.batch, exclude, fam.name)]
-        if cfg.short_batch:
-            groups.append(short_problems(cfg.seed, step, cfg.short_batch, fam.name))
-        batches = [_batch(tok, g, tok.pad_token_id) for g in groups]
-        plans = [mix.assign(cfg.seed, step, str(i), len(g)) if mix else [(None, 0)] * len(g)
-                 for i, g in enumerate(groups)]
+        data = step_data(step)
+        groups, batches, plans = ([d[i] for d in data] for i in range(3))
         weights = [_token_weights(labels, cfg.answer_weight, unanswerable(g, plan))
                    for (_, labels), g, plan in zip(batches, groups, plans)]
         total = sum(float(w.sum()) for w in weights)
         loss_value = 0.0
-        for (ids, labels), w, plan in zip(batches, weights, plans):   # one weighted mean over every group's trace tokens
-            extra = deaths_for(mix, plan, labels, model)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        for g, ((ids, labels), w, plan) in enumerate(zip(batches, weights, plans)):   # one weighted mean over every group's trace tokens
+            extra = ahead.get(step, g, cfg.steps) if ahead is not None else deaths_for(mix, plan, labels, model)
+            ids, labels, w, extra = ids.to(cfg.device), labels.to(cfg.device), w.to(cfg.device), _on(extra, cfg.device)
+            with torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
                 if cfg.answer_weight == 1.0 and mix is None:   # transformers' own loss: how phases 1-2 ran (same bits)
                     loss = model(input_ids=ids, labels=labels).loss * (float(w.sum()) / total)
                 else:
@@ -345,6 +388,8 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
             save(step + 1)
     stop.restore()
+    if ahead is not None:
+        ahead.close()
     # Training steps this invocation ran (data, forward, backward, optimizer; not the periodic held-out
     # checks or checkpoints): what `--steps 24 --dtype float32` against `--dtype bfloat16` compares.
     busy = sum(step_seconds)
@@ -352,7 +397,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
              "steps_per_second": round(len(step_seconds) / busy, 4) if busy else None,
              "seconds_per_step_median": round(sorted(step_seconds)[len(step_seconds) // 2], 3) if step_seconds else None,
              "dtype": dtype, "threads": cfg.threads, "batch": cfg.batch, "short_batch": cfg.short_batch,
-             "family": fam.name, "evict": cfg.evict}
+             "family": fam.name, "evict": cfg.evict, "device": here, "workers": cfg.workers}
     log(f"speed: {speed['steps']} steps in {busy:.1f} s = {speed['steps_per_second']} steps/s (median "
         f"{speed['seconds_per_step_median']} s per step; {dtype}, {cfg.threads} threads, batch {cfg.batch})")
     wall = time.time() - t0
@@ -375,7 +420,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
               "loss_last": history[-1]["loss"] if history else None, "loss_curve": history,
               "held_out_teacher_forced": held, "wall_seconds": round(wall, 1),
               "dtype": {"requested": cfg.dtype, "resolved": dtype, "reason": dtype_reason}, "speed": speed,
-              "family": fam.name, "torch": torch.__version__, "eval_seed": rt.EVAL_SEED}
+              "family": fam.name, "torch": torch.__version__, "eval_seed": rt.EVAL_SEED, "devices": devices}
     if cfg.init_from:   # the phase this one continued (its own TRAINING.json, loss curve included)
         record["previous_phase"] = json.loads((Path(cfg.init_from) / "TRAINING.json").read_text())
     (out / "TRAINING.json").write_text(json.dumps(record, indent=2) + "\n")

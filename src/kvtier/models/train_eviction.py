@@ -96,6 +96,63 @@ def deaths_for(mix: EvictMix | None, plan, labels, model):
                                         cfg.num_key_value_heads)}
 
 
+def _quiet_worker() -> None:
+    """A DeathsAhead worker: one thread, and the parent's SIGTERM/SIGINT (a training's pause) left to the parent."""
+    import signal
+
+    import torch
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+
+
+def _deaths_job(mix: EvictMix, plan, prompt_lens, lengths, width, num_layers, num_kv_heads):
+    return mix.deaths(prompt_lens, lengths, width, plan, num_layers, num_kv_heads)
+
+
+class DeathsAhead:
+    """deaths_for's result computed in `workers` processes, up to `ahead` steps before a step needs it.
+
+    Simulating random eviction over a long trace costs ~0.1 s a sample on one CPU core (chains-long, 8 KV heads),
+    about what a GPU takes for the whole step: done inline the accelerator would wait on it. The records are a
+    function of (plan, lengths) alone, so the result is the same as deaths_for's. `inputs(step)` gives a step's
+    [(plan, labels)] per group; the trainer's own data function, so nothing is computed twice differently."""
+
+    def __init__(self, mix: EvictMix, model_config, inputs, workers: int, ahead: int | None = None):
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.mix, self.inputs = mix, inputs
+        self.shape = (model_config.num_hidden_layers, model_config.num_key_value_heads)
+        self.ahead = ahead or 2 * workers
+        # spawn: the parent may hold a CUDA context, which a forked child must not inherit
+        self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_quiet_worker)
+        self.futures: dict[tuple[int, int], object] = {}
+        self.next_step = None
+
+    def _submit(self, step: int) -> None:
+        for g, (plan, labels) in enumerate(self.inputs(step)):
+            if self.mix is None or all(k is None for k, _ in plan):
+                self.futures[(step, g)] = None
+                continue
+            prompt_lens, lengths = row_spans(labels)
+            self.futures[(step, g)] = self.pool.submit(_deaths_job, self.mix, plan, prompt_lens, lengths,
+                                                       labels.shape[1], *self.shape)
+
+    def get(self, step: int, group: int, last_step: int) -> dict:
+        """The forward's kvtier_deaths kwarg for `group` of `step` (steps up to last_step are prefetched)."""
+        start = step if self.next_step is None or self.next_step < step else self.next_step
+        for s in range(start, min(step + self.ahead, last_step)):
+            self._submit(s)
+        self.next_step = max(start, min(step + self.ahead, last_step))
+        fut = self.futures.pop((step, group))
+        return {} if fut is None else {"kvtier_deaths": fut.result()}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 def unanswerable(problems, plan) -> list[bool]:
     """Needles under eviction: their answer is not trained (train_eviction.py says why)."""
     return [p.kind == "needle" and k is not None for p, (k, _) in zip(problems, plan)]

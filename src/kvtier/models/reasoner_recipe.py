@@ -1,0 +1,86 @@
+"""Training recipes: the phases ``kvtier model train-recipe`` runs in order, each ``train-reasoner`` from the last.
+
+``long`` is issue #36's one recipe for the long-chain reasoners (``long-2kv`` and ``long-8kv`` take the same
+phases, steps and seeds). It is the shipped reasoner's (docs/reasoner.md) at the same 4,500 full-attention
+steps in three phases instead of six, since the task already restates the start and the question: a first
+phase at 2e-3; then short chains (more trace starts and low counters, where the first model's errors were)
+with the boxed answer weighted 20x, at 5e-4 and then 3e-4; then the served-eviction fine-tune (random at K =
+256 / 512 / 1024, a quarter of samples at full attention, needle answers untrained under eviction:
+train_eviction.py). bf16 autocast (weights and optimizer fp32), the shipped reasoner's precision: a GPU and a
+CPU with AVX512-BF16/AMX compute it natively; chosen before the first step of this recipe, when an H200 was lent
+(an earlier float32 start of long-8kv on a 2-core CPU, 1,296 steps, is superseded: docs/reasoner.md).
+
+Each phase writes WORK/<phase>/ (model files and TRAINING.json, which nests the phases before it); a phase
+with a TRAINING.json is skipped, a phase with a ckpt.pt resumes, and a paused phase (SIGTERM/SIGINT) ends the
+run: the same command continues it, on this device or another (TRAINING.json's ``devices`` says which steps ran
+where).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    params: dict = field(default_factory=dict)   # TrainConfig fields; init_from is the phase before
+
+
+_LATER = {"short_batch": 16, "answer_weight": 20.0}
+
+RECIPES: dict[str, dict] = {
+    "long": {
+        "family": "chains-long",
+        "dtype": "bfloat16",
+        "phases": (
+            Phase("p1", {"steps": 2000}),
+            Phase("p2", {"steps": 1000, "seed": 17, "lr": 5e-4, "warmup": 20, **_LATER}),
+            Phase("p3", {"steps": 1500, "seed": 18, "lr": 3e-4, "warmup": 50, **_LATER}),
+            Phase("evict", {"steps": 800, "seed": 31, "lr": 3e-4, "warmup": 50, **_LATER,
+                            "evict": "random:256,512,1024:32", "full_share": 0.25}),
+        ),
+    },
+}
+
+
+def phase_configs(recipe: str, shape: str, work: Path, device: str = "cpu", workers: int = 0):
+    """[(phase name, out dir, TrainConfig)] of `recipe` for `shape` under `work`, each continuing the last."""
+    from .reasoner_train import TrainConfig
+
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+    r = RECIPES[recipe]
+    out, prev = [], ""
+    for ph in r["phases"]:
+        d = Path(work) / ph.name
+        out.append((ph.name, d, TrainConfig(family=r["family"], dtype=r["dtype"], shape=shape, init_from=prev,
+                                            device=device, workers=workers, **ph.params)))
+        prev = str(d)
+    return out
+
+
+def run_recipe(recipe: str, shape: str, work: Path, device: str = "cpu", workers: int = 0, through: str = "",
+               log=print, train=None) -> dict:
+    """Run the recipe's phases not yet done (through phase `through`, '' = all). Returns {"done": [names]} or,
+    when a phase paused, {"done": [...], "paused": name, "at": step}. `train`: a test's stand-in."""
+    if train is None:
+        from .reasoner_train import train
+    phases = phase_configs(recipe, shape, work, device, workers)
+    names = [n for n, _, _ in phases]
+    if through and through not in names:
+        raise ValueError(f"--through {through!r} is not a phase of {recipe!r}: {', '.join(names)}")
+    done = []
+    for name, out, cfg in phases:
+        if (out / "TRAINING.json").exists():
+            log(f"{name}: done ({out})")
+        else:
+            log(f"{name}: training into {out}")
+            rec = train(cfg, out, log)
+            if "paused_at" in rec:
+                return {"done": done, "paused": name, "at": rec["paused_at"]}
+        done.append(name)
+        if name == through:
+            break
+    return {"done": done}

@@ -1,0 +1,118 @@
+"""`kvtier model train-recipe` (src/kvtier/models/reasoner_recipe.py) and what it leans on in train-reasoner:
+one recipe for both long models, phases chained and skipped when done, a pause ending the run, a checkpoint
+resuming on another device (recorded), evictions simulated ahead in worker processes giving the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from kvtier.models.reasoner_recipe import RECIPES, phase_configs, run_recipe
+from kvtier.models.reasoner_train import TrainConfig, train
+
+TINY = dict(steps=2, batch=1, threads=1, held_out=1, warmup=1, dtype="float32")
+
+
+def test_the_long_recipe_is_one_recipe_for_both_shapes(tmp_path):
+    two = phase_configs("long", "long-2kv", tmp_path / "a")
+    eight = phase_configs("long", "long-8kv", tmp_path / "b")
+    assert [n for n, _, _ in two] == [n for n, _, _ in eight] == ["p1", "p2", "p3", "evict"]
+    for (_, out2, c2), (_, out8, c8) in zip(two, eight):
+        strip = lambda c: {k: v for k, v in vars(c).items() if k not in ("shape", "init_from")}   # noqa: E731
+        assert strip(c2) == strip(c8) and (c2.shape, c8.shape) == ("long-2kv", "long-8kv")
+    prev = ""
+    for name, out, cfg in eight:                      # each phase continues the one before
+        assert cfg.init_from == prev and out == tmp_path / "b" / name
+        assert cfg.family == "chains-long" and cfg.dtype == "bfloat16"
+        prev = str(out)
+    assert eight[-1][2].evict.startswith("random:256,512,1024") and not any(c.evict for _, _, c in eight[:-1])
+    assert sum(c.steps for _, _, c in eight[:-1]) == 4500
+
+
+def test_phases_run_in_order_skip_when_done_and_a_pause_ends_the_run(tmp_path):
+    calls = []
+
+    def fake_train(cfg, out, log):
+        calls.append((out.name, cfg.init_from))
+        if out.name == "p2" and len(calls) == 2:
+            return {"paused_at": 7}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "TRAINING.json").write_text("{}")
+        return {}
+
+    res = run_recipe("long", "long-8kv", tmp_path, log=lambda s: None, train=fake_train)
+    assert res == {"done": ["p1"], "paused": "p2", "at": 7}
+    res = run_recipe("long", "long-8kv", tmp_path, through="p3", log=lambda s: None, train=fake_train)
+    assert res == {"done": ["p1", "p2", "p3"]}
+    assert calls == [("p1", ""), ("p2", str(tmp_path / "p1")), ("p2", str(tmp_path / "p1")), ("p3", str(tmp_path / "p2"))]
+    with pytest.raises(ValueError, match="not a phase"):
+        run_recipe("long", "long-8kv", tmp_path, through="p9", train=fake_train)
+    with pytest.raises(ValueError, match="unknown recipe"):
+        run_recipe("short", "long-8kv", tmp_path, train=fake_train)
+
+
+def test_train_recipe_cli_refuses_an_unknown_shape_or_phase(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    r = CliRunner().invoke(app, ["model", "train-recipe", "--shape", "long-16kv", "--work", str(tmp_path)])
+    assert r.exit_code == 2 and "--shape" in r.output and "long-8kv" in r.output, r.output
+    r = CliRunner().invoke(app, ["model", "train-recipe", "--shape", "long-8kv", "--work", str(tmp_path), "--through", "p9"])
+    assert r.exit_code == 2 and "p9" in r.output and "evict" in r.output, r.output
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_paused_checkpoint_resumes_on_another_device_and_says_so(tmp_path):
+    out, lines = tmp_path / "m", []
+
+    def pause_after_first_step(s):
+        lines.append(s)
+        if s.startswith('{"step": 1,'):
+            os.kill(os.getpid(), signal.SIGTERM)      # what `timeout` sends: pause at the next step boundary
+
+    rec = train(TrainConfig(log_every=1, ckpt_every=1, **TINY), out, log=pause_after_first_step)
+    assert rec == {"paused_at": 1} and (out / "ckpt.pt").exists()
+    state = torch.load(out / "ckpt.pt", weights_only=False)
+    assert state["devices"][0]["from_step"] == 0 and state["devices"][0]["device"].startswith("cpu")
+    state["devices"] = [{"from_step": 0, "device": "cuda:0 (NVIDIA H200)"}]      # as if step 0 ran on a GPU
+    torch.save(state, out / "ckpt.pt")
+    lines.clear()
+    rec = train(TrainConfig(log_every=1, ckpt_every=1, **TINY), out, log=lines.append)
+    assert [d["from_step"] for d in rec["devices"]] == [0, 1]
+    assert rec["devices"][0]["device"] == "cuda:0 (NVIDIA H200)" and rec["devices"][1]["device"].startswith("cpu")
+    assert any("steps before 1 ran on cuda:0" in s for s in lines)
+    assert json.loads((out / "TRAINING.json").read_text())["devices"] == rec["devices"]
+    assert not (out / "ckpt.pt").exists()
+
+
+def test_evictions_simulated_ahead_in_workers_give_the_same_weights(tmp_path):
+    ev = dict(evict="random:128:32", full_share=0.0, short_batch=1, **{**TINY, "batch": 2})
+    inline = train(TrainConfig(**ev), tmp_path / "inline", log=lambda s: None)
+    ahead = train(TrainConfig(workers=2, **ev), tmp_path / "ahead", log=lambda s: None)
+    assert ahead["speed"]["workers"] == 2
+    assert ahead["model_safetensors_sha256"] == inline["model_safetensors_sha256"]
+    assert inline["held_out_teacher_forced"]["local_random_K128"] == ahead["held_out_teacher_forced"]["local_random_K128"]
+
+
+def test_cuda_asked_for_where_there_is_none_is_refused_by_name(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="device 'cuda'"):
+        train(TrainConfig(device="cuda", **TINY), tmp_path / "m", log=lambda s: None)
+
+
+def test_every_recipe_names_known_families_and_trainconfig_fields():
+    from dataclasses import fields
+
+    from kvtier.tasks.chains import FAMILIES
+
+    names = {f.name for f in fields(TrainConfig)}
+    for r in RECIPES.values():
+        assert r["family"] in FAMILIES
+        for ph in r["phases"]:
+            assert set(ph.params) <= names, ph
