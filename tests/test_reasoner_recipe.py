@@ -116,3 +116,20 @@ def test_every_recipe_names_known_families_and_trainconfig_fields():
         assert r["family"] in FAMILIES
         for ph in r["phases"]:
             assert set(ph.params) <= names, ph
+
+
+def test_the_documented_gpu_box_entry_point_runs(tmp_path):
+    """docs/reasoner.md's GPU command: `python3 -m kvtier.models.cli train-recipe` from the source tree, no kvtier
+    install (what a GPU box with torch, transformers and typer has); a bad phase is refused before training."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    r = subprocess.run([sys.executable, "-m", "kvtier.models.cli", "train-recipe", "--shape", "long-8kv", "--work",
+                        str(tmp_path / "w"), "--device", "cuda", "--workers", "6", "--through", "p9"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "p9" in r.stderr and "evict" in r.stderr, r.stderr
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "reasoner.md").read_text()
+    assert "python3 -m kvtier.models.cli train-recipe" in doc and "--workers 6" in doc

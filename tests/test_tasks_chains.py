@@ -152,6 +152,14 @@ def test_eval_and_goodput_take_the_family():
     tasks = load_tasks("reasoner", 2, "chains-long")
     assert [t.prompt for t in tasks][:2] == [rt.CHAINS_LONG.eval_problems(1, k)[0].prompt for k in rt.KINDS]
     assert [t.prompt for t in load_tasks("reasoner", 2)] == [t.prompt for t in load_tasks("reasoner", 2, "chains")]
+    # goodput's `auto` pool: 4 full traces of the family's (chains' unchanged; chains-long's: the long shapes' positions)
+    from kvtier.benchmarks.goodput_cli import trace_tokens
+    from kvtier.models.reasoner_train import longest_sequence
+
+    assert trace_tokens(None) == trace_tokens("chains") == 1024
+    from kvtier.models.reasoner import reasoner_config
+
+    assert longest_sequence(rt.CHAINS_LONG) <= trace_tokens("chains-long") == reasoner_config("long-8kv").max_position_embeddings
 
 
 def test_bench_rl_evaluates_and_trains_on_its_family(monkeypatch, tmp_path):

@@ -9,11 +9,18 @@ import typer
 
 from .serve_cli import emit, engine_settings
 
-# The demo config (the shipped reasoner and its tiers). `auto`: a pool of POOL_TRACES full traces of
-# TRACE_TOKENS in the engine's dtype (8 MiB in bfloat16 at 2 KiB per token, 16 MiB in float32), so full
-# attention is KV-bound at concurrency 32 whatever dtype `auto` picks on this machine.
+# The demo config (the shipped reasoner and its tiers). `auto`: a pool of POOL_TRACES full traces of the
+# family's TRACE_TOKENS in the engine's dtype (chains: 8 MiB in bfloat16 at 2 KiB per token, 16 MiB in
+# float32), so full attention is KV-bound at concurrency 32 whatever dtype `auto` picks on this machine.
+# chains-long: 4,096 tokens (32 blocks of 128), the long models' positions; its longest sequence is 3,943.
 DEFAULT_KV = "auto"
-POOL_TRACES, TRACE_TOKENS = 4, 1024
+POOL_TRACES = 4
+TRACE_TOKENS = {"chains": 1024, "chains-long": 4096}
+
+
+def trace_tokens(family: str | None) -> int:
+    """Tokens per full trace in the `auto` pool (a JSONL's: chains')."""
+    return TRACE_TOKENS.get(family or "chains", TRACE_TOKENS["chains"])
 
 
 def register(bench_app: typer.Typer) -> None:
@@ -31,7 +38,7 @@ def register(bench_app: typer.Typer) -> None:
         concurrency: str = typer.Option("32", help="Requests in flight (vLLM's benchmark --max-concurrency); "
                                         "several (1,4,16,64): every arm at every load, JSON under `loads`."),
         kv_bytes: str = typer.Option(DEFAULT_KV, "--kv-bytes", help="Every engine's KV pool (auto: "
-                                     f"{POOL_TRACES} traces of {TRACE_TOKENS} tokens in the engine's dtype)."),
+                                     f"{POOL_TRACES} full traces in the engine's dtype: {TRACE_TOKENS} tokens each)."),
         max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Override (default: the config's, `auto` resolved)."),
         max_tokens: Optional[int] = typer.Option(None, help="Per request; requests stop at EOS (default: the family's "
                                                  "budget, chains 1200 (longest trace 1,122), chains-long 4000; "
@@ -74,7 +81,7 @@ def register(bench_app: typer.Typer) -> None:
         if kv_bytes == "auto":
             from kvtier.service.sizing import DTYPE_BYTES, kv_bytes_per_token
 
-            pool = POOL_TRACES * TRACE_TOKENS * kv_bytes_per_token(settings.model_path, DTYPE_BYTES[settings.dtype])
+            pool = POOL_TRACES * trace_tokens(fam.name if fam else None) * kv_bytes_per_token(settings.model_path, DTYPE_BYTES[settings.dtype])
             cfg, settings = engine_settings(config, str(pool), max_num_seqs, None, default=default)
         chosen = [a.strip() for a in arms.split(",") if a.strip()]
         known = {"stock", "full", "auto", *(t.name for t in cfg.tiers)}
