@@ -36,3 +36,18 @@ def test_checkpoint_exports_to_a_loadable_model_with_its_weights(tmp_path):
         for p in model.parameters():          # the export is bf16: compare against the same rounding
             p.copy_(p.to(torch.bfloat16).float())
         assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-4)
+
+
+def test_a_long_shape_is_written_with_its_positions_in_the_tokenizer(tmp_path):
+    """A long model's tokenizer says 4,096 (what transformers checks inputs against), the shipped shape's 2,048."""
+    import json
+
+    from transformers import Qwen3ForCausalLM
+
+    from kvtier.models.reasoner import build_reasoner_tokenizer, reasoner_config
+    from kvtier.models.reasoner_train import _save_hf
+
+    for shape, positions in (("long-8kv", 4096), ("base", 2048)):
+        _save_hf(Qwen3ForCausalLM(reasoner_config(shape)), build_reasoner_tokenizer(), tmp_path / shape)
+        tok = json.loads((tmp_path / shape / "tokenizer_config.json").read_text())
+        assert tok["model_max_length"] == positions, shape

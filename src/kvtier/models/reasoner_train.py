@@ -217,6 +217,7 @@ def _save_hf(model, tok, out: Path) -> str:
     cfg.dtype = "bfloat16"
     cfg.save_pretrained(str(out))
     GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=0).save_pretrained(str(out))
+    tok.model_max_length = model.config.max_position_embeddings   # a long shape's tokenizer says 4,096, not 2,048
     tok.save_pretrained(str(out))
     state = {k: v.detach().to("cpu", torch.bfloat16).contiguous().clone() for k, v in sorted(model.state_dict().items())
              if k != "lm_head.weight"}                                   # tied to embed_tokens
