@@ -144,6 +144,8 @@ def test_eval_and_goodput_take_the_family():
     assert (ReasonerEvalConfig().max_tokens, ReasonerEvalConfig().max_model_len) == (1200, 1536)   # unchanged
     cfg = ReasonerEvalConfig(family="chains-long", problems=2, runs=1, policies=("random",), budgets=(512,))
     assert (cfg.max_tokens, cfg.max_model_len) == (4000, 4096)
+    assert (ReasonerEvalConfig().kv_cache_mb, cfg.kv_cache_mb) == (512, 2048)      # chains' pool unchanged
+    assert ReasonerEvalConfig(family="chains-long", kv_cache_mb=64).kv_cache_mb == 64
     jobs = _jobs(cfg, lambda text: {"input_ids": [0] + [1] * len(text)}, make_grid(cfg.policies, cfg.budgets))
     prompts = {j["problem"].question for j, _ in jobs}
     assert prompts == {p.prompt for k in rt.KINDS for p in rt.CHAINS_LONG.eval_problems(2, k)}
