@@ -202,6 +202,13 @@ def test_flex_attention_forward_agrees_with_the_mask_path(monkeypatch):
     monkeypatch.setitem(dt_attention.BACKEND, "cpu", "flex")
     got, _ = dt_attention.deathtime_attention(layer, q, k, v, base, kvtier_deaths=deaths)
     assert torch.allclose(got, want, atol=1e-5)
+    # under bf16 autocast with fp32 q, k beside a bf16 v (what Qwen3's q/k norms hand over), flex gets one dtype,
+    # autocast's (torch 2.11's compiled flex refuses mixed ones; SDPA casts by itself)
+    seen, flex = [], dt_attention._flex
+    monkeypatch.setattr(dt_attention, "_flex", lambda q_, k_, v_, *a: seen.append((q_.dtype, k_.dtype, v_.dtype)) or flex(q_, k_, v_, *a))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed, _ = dt_attention.deathtime_attention(layer, q, k, v.to(torch.bfloat16), base, kvtier_deaths=deaths)
+    assert seen == [(torch.bfloat16,) * 3] and torch.allclose(mixed.float(), want, atol=3e-2)
 
 
 @pytest.fixture(scope="module")

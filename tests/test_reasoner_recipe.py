@@ -48,6 +48,11 @@ def test_phases_run_in_order_skip_when_done_and_a_pause_ends_the_run(tmp_path):
     assert res == {"done": ["p1"], "paused": "p2", "at": 7}
     res = run_recipe("long", "long-8kv", tmp_path, through="p3", log=lambda s: None, train=fake_train)
     assert res == {"done": ["p1", "p2", "p3"]}
+    # a pause asked for as a phase finished: that phase is done, no further one starts
+    stop = lambda cfg, out, log: (fake_train(cfg, out, log), {"stop_requested": True})[1]   # noqa: E731
+    res = run_recipe("long", "long-8kv", tmp_path, log=lambda s: None, train=stop)
+    assert res == {"done": ["p1", "p2", "p3", "evict"], "stopped_after": "evict"}
+    calls.pop()
     assert calls == [("p1", ""), ("p2", str(tmp_path / "p1")), ("p2", str(tmp_path / "p1")), ("p3", str(tmp_path / "p2"))]
     with pytest.raises(ValueError, match="not a phase"):
         run_recipe("long", "long-8kv", tmp_path, through="p9", train=fake_train)
@@ -64,6 +69,8 @@ def test_train_recipe_cli_refuses_an_unknown_shape_or_phase(tmp_path):
     assert r.exit_code == 2 and "--shape" in r.output and "long-8kv" in r.output, r.output
     r = CliRunner().invoke(app, ["model", "train-recipe", "--shape", "long-8kv", "--work", str(tmp_path), "--through", "p9"])
     assert r.exit_code == 2 and "p9" in r.output and "evict" in r.output, r.output
+    r = CliRunner().invoke(app, ["model", "train-recipe", "--shape", "long-8kv", "--work", str(tmp_path), "--attention", "dense"])
+    assert r.exit_code == 2 and "--attention" in r.output and "flex" in r.output, r.output
     assert not any(tmp_path.iterdir())
 
 
@@ -88,6 +95,45 @@ def test_a_paused_checkpoint_resumes_on_another_device_and_says_so(tmp_path):
     assert any("steps before 1 ran on cuda:0" in s for s in lines)
     assert json.loads((out / "TRAINING.json").read_text())["devices"] == rec["devices"]
     assert not (out / "ckpt.pt").exists()
+
+
+def test_a_pause_asked_for_in_the_last_step_finishes_the_phase_and_says_so(tmp_path):
+    def pause_in_last_step(s):
+        if s.startswith('{"step": 2,'):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    rec = train(TrainConfig(log_every=1, **TINY), tmp_path / "m", log=pause_in_last_step)
+    assert rec["stop_requested"] is True and rec["steps"] == 2
+    on_disk = json.loads((tmp_path / "m" / "TRAINING.json").read_text())
+    assert "stop_requested" not in on_disk and on_disk["model_safetensors_sha256"] == rec["model_safetensors_sha256"]
+    assert not (tmp_path / "m" / "ckpt.pt").exists() and not (tmp_path / "m" / "TRAINING.json.tmp").exists()
+
+
+def test_a_broken_worker_pool_falls_back_to_the_same_records_inline():
+    import types
+    from concurrent.futures.process import BrokenProcessPool
+
+    from kvtier.models.reasoner import build_reasoner_tokenizer, reasoner_config
+    from kvtier.models.reasoner_train import _batch, step_problems
+    from kvtier.models.train_eviction import DeathsAhead, EvictMix, deaths_for
+
+    mix, tok, cfg = EvictMix.parse("random:128:32", 0.0), build_reasoner_tokenizer(), reasoner_config("base")
+    batches = {s: _batch(tok, step_problems(3, s, 2, set()), tok.pad_token_id) for s in range(3)}
+    inputs = lambda s: [(mix.assign(3, s, "0", 2), batches[s][1])]            # noqa: E731
+    lines = []
+    ahead = DeathsAhead(mix, cfg, inputs, workers=1, log=lines.append)
+    ahead.pool.shutdown()
+
+    class Broken:
+        def result(self):
+            raise BrokenProcessPool("a worker was killed")
+
+    ahead.pool = types.SimpleNamespace(submit=lambda *a, **k: Broken(), shutdown=lambda **k: None)
+    model = types.SimpleNamespace(config=cfg)
+    for s in range(3):
+        got = ahead.get(s, 0, 3)["kvtier_deaths"]
+        assert torch.equal(got, deaths_for(mix, inputs(s)[0][0], batches[s][1], model)["kvtier_deaths"])
+    assert ahead.broken and len(lines) == 1 and "inline" in lines[0]
 
 
 def test_evictions_simulated_ahead_in_workers_give_the_same_weights(tmp_path):

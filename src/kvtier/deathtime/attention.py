@@ -64,6 +64,10 @@ def deathtime_attention(module, query: Tensor, key: Tensor, value: Tensor, atten
         raise ValueError(f"{DEATHS_KWARG} must be [B={B}, layers, kv_heads={H}, T={key.shape[2]}]; layer "
                          f"{module.layer_idx} has {tuple(d_layer.shape)}")
     if BACKEND.get(query.device.type) == "flex" and q_len == key.shape[2]:
+        dev = query.device.type
+        if torch.is_autocast_enabled(dev):            # SDPA casts under autocast; flex does not, and Qwen3's q/k norms
+            low = torch.get_autocast_dtype(dev)        # leave q, k in fp32 beside a bf16 v
+            query, key, value = query.to(low), key.to(low), value.to(low)
         return _flex(query, key, value, d_layer, attention_mask, scaling), None
     vis = layer_mask(d_layer, attention_mask, q_len).repeat_interleave(Hq // H, dim=1)      # [B, Hq, q, T]
     if kwargs.get("output_attentions"):               # the weights themselves: explicit fp32 softmax

@@ -14,7 +14,7 @@ def register(model_app: typer.Typer) -> None:
     from kvtier.tasks.chains import FAMILIES, family as task_family
 
     from .reasoner import REASONER_DIR
-    from .reasoner_train import DTYPES, TrainConfig
+    from .reasoner_train import ATTENTION, DTYPES, TrainConfig
 
     d = TrainConfig()
 
@@ -43,10 +43,14 @@ def register(model_app: typer.Typer) -> None:
         device: str = typer.Option(d.device, help="cpu or cuda[:i] (torch only; a checkpoint resumes on either)."),
         workers: int = typer.Option(d.workers, help="With --evict: processes simulating evictions ahead of the steps "
                                     "(keeps a GPU fed; 0: inline)."),
+        attention: str = typer.Option(d.attention, help="With --evict: death-time attention, auto | mask (SDPA with a "
+                                      "boolean mask) | flex (FlexAttention; auto's choice on CUDA)."),
     ) -> None:
         """Deterministic CPU training (resumes from OUT/ckpt.pt); writes the model, tokenizer, TRAINING.json.
         Steps per second in each precision: --steps 24 --dtype float32 and --dtype bfloat16, each with its own
         scratch --out (TRAINING.json's `speed`; docs/reasoner.md)."""
+        if attention not in ATTENTION:
+            raise typer.BadParameter(f"{attention!r} is not one of {', '.join(ATTENTION)}", param_hint="--attention")
         if dtype not in DTYPES:
             raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPES)}", param_hint="--dtype")
         try:
@@ -60,7 +64,7 @@ def register(model_app: typer.Typer) -> None:
         from .reasoner_train import train
 
         rec = train(TrainConfig(steps=steps, seed=seed, batch=batch, lr=lr, threads=threads,
-                                dtype=dtype, family=family, shape=shape, device=device, workers=workers, init_from=init_from, short_batch=short_batch, warmup=warmup,
+                                dtype=dtype, family=family, shape=shape, device=device, workers=workers, attention=attention, init_from=init_from, short_batch=short_batch, warmup=warmup,
                                 answer_weight=answer_weight, evict=evict, full_share=full_share), out,
                     log=lambda s: typer.echo(s))
         typer.echo(json.dumps({k: v for k, v in rec.items() if k != "loss_curve"}, indent=1))
@@ -73,18 +77,23 @@ def register(model_app: typer.Typer) -> None:
         device: str = typer.Option("cpu", help="cpu or cuda[:i]."),
         workers: int = typer.Option(0, help="Eviction phases: processes simulating evictions ahead of the steps."),
         through: str = typer.Option("", help="Stop after this phase ('': all)."),
+        attention: str = typer.Option("auto", help="Eviction phases: death-time attention, auto | mask (SDPA with a "
+                                      "boolean mask) | flex (FlexAttention; auto's choice on CUDA)."),
     ) -> None:
         """Run a recipe's phases in order, each from the last; finished phases are skipped, a paused one resumes
         (same command), on any device. The long-chain reasoners: --recipe long (docs/reasoner.md)."""
         from .reasoner import SHAPES
-        from .reasoner_recipe import run_recipe
+        from .reasoner_recipe import check_recipe, run_recipe
 
         if shape not in SHAPES:
             raise typer.BadParameter(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}", param_hint="--shape")
+        if attention not in ATTENTION:
+            raise typer.BadParameter(f"{attention!r} is not one of {', '.join(ATTENTION)}", param_hint="--attention")
         try:
-            res = run_recipe(recipe, shape, work, device, workers, through, log=lambda s: typer.echo(s))
+            check_recipe(recipe, through)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--recipe/--through") from None
+        res = run_recipe(recipe, shape, work, device, workers, through, log=lambda s: typer.echo(s), attention=attention)
         typer.echo(json.dumps(res))
 
     @model_app.command("export-checkpoint")

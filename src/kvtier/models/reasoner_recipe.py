@@ -45,7 +45,7 @@ RECIPES: dict[str, dict] = {
 }
 
 
-def phase_configs(recipe: str, shape: str, work: Path, device: str = "cpu", workers: int = 0):
+def phase_configs(recipe: str, shape: str, work: Path, device: str = "cpu", workers: int = 0, attention: str = "auto"):
     """[(phase name, out dir, TrainConfig)] of `recipe` for `shape` under `work`, each continuing the last."""
     from .reasoner_train import TrainConfig
 
@@ -56,21 +56,29 @@ def phase_configs(recipe: str, shape: str, work: Path, device: str = "cpu", work
     for ph in r["phases"]:
         d = Path(work) / ph.name
         out.append((ph.name, d, TrainConfig(family=r["family"], dtype=r["dtype"], shape=shape, init_from=prev,
-                                            device=device, workers=workers, **ph.params)))
+                                            device=device, workers=workers, attention=attention, **ph.params)))
         prev = str(d)
     return out
 
 
-def run_recipe(recipe: str, shape: str, work: Path, device: str = "cpu", workers: int = 0, through: str = "",
-               log=print, train=None) -> dict:
-    """Run the recipe's phases not yet done (through phase `through`, '' = all). Returns {"done": [names]} or,
-    when a phase paused, {"done": [...], "paused": name, "at": step}. `train`: a test's stand-in."""
-    if train is None:
-        from .reasoner_train import train
-    phases = phase_configs(recipe, shape, work, device, workers)
-    names = [n for n, _, _ in phases]
+def check_recipe(recipe: str, through: str = "") -> None:
+    """ValueError naming the setting for an unknown recipe or a `through` that is none of its phases."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+    names = [ph.name for ph in RECIPES[recipe]["phases"]]
     if through and through not in names:
         raise ValueError(f"--through {through!r} is not a phase of {recipe!r}: {', '.join(names)}")
+
+
+def run_recipe(recipe: str, shape: str, work: Path, device: str = "cpu", workers: int = 0, through: str = "",
+               log=print, train=None, attention: str = "auto") -> dict:
+    """Run the recipe's phases not yet done (through phase `through`, '' = all). Returns {"done": [names]};
+    when a phase paused, {"done": [...], "paused": name, "at": step}; when a pause was asked for as a phase
+    finished, {"done": [...], "stopped_after": name}. `train`: a test's stand-in."""
+    if train is None:
+        from .reasoner_train import train
+    check_recipe(recipe, through)
+    phases = phase_configs(recipe, shape, work, device, workers, attention)
     done = []
     for name, out, cfg in phases:
         if (out / "TRAINING.json").exists():
@@ -80,6 +88,8 @@ def run_recipe(recipe: str, shape: str, work: Path, device: str = "cpu", workers
             rec = train(cfg, out, log)
             if "paused_at" in rec:
                 return {"done": done, "paused": name, "at": rec["paused_at"]}
+            if rec.get("stop_requested"):             # asked to pause as the phase finished: start no other
+                return {"done": [*done, name], "stopped_after": name}
         done.append(name)
         if name == through:
             break

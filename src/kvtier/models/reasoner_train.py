@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -69,12 +70,14 @@ class TrainConfig:
     shape: str = "base"            # the model's shape (reasoner.SHAPES); with init_from, the model's own
     device: str = "cpu"            # cpu | cuda[:i]: where the steps run (not part of what a checkpoint must match)
     workers: int = 0               # with evict: processes simulating the evictions ahead of the steps (DeathsAhead)
+    attention: str = "auto"        # with evict: death-time attention backend, auto (kvtier.deathtime's per device) | mask | flex
 
 
 DTYPES = ("auto", "float32", "bfloat16")
 # How a run is executed, not what it computes: a checkpoint resumes across them (TRAINING.json's `devices`
 # records where each stretch of steps ran; a GPU's float sums differ from a CPU's in the last bits).
-RUN_ONLY = ("device", "workers")
+RUN_ONLY = ("device", "workers", "attention")
+ATTENTION = ("auto", "mask", "flex")   # kvtier.deathtime.attention.BACKEND's choices; auto keeps its per-device one
 
 
 def resolve_dtype(requested: str, device: str = "cpu", flags: set[str] | None = None) -> tuple[str, str]:
@@ -201,7 +204,9 @@ def _device_name(device: str) -> str:
     import torch
 
     if device.startswith("cuda"):
-        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+        dev = torch.device(device)
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
     return f"cpu ({cpu_dtype.cpu_model() or 'unknown'})"
 
 
@@ -273,6 +278,12 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         from kvtier.deathtime import register
 
         attn = register()
+        if cfg.attention != "auto":           # the same attention either way; mask is SDPA's tested path, flex spares memory
+            from kvtier.deathtime import attention as deathtime_attention
+
+            if cfg.attention not in ATTENTION:
+                raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {cfg.attention!r}")
+            deathtime_attention.BACKEND[torch.device(cfg.device).type] = cfg.attention
     if cfg.init_from:
         model = Qwen3ForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, attn_implementation=attn)
     else:
@@ -320,8 +331,10 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     stop = _StopOnSignal()
 
     def save(step: int) -> None:
+        tmp = ckpt.with_suffix(".tmp")             # a kill mid-write leaves the last checkpoint whole
         torch.save({"config": run_cfg, "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "history": history, "window": window, "elapsed": time.time() - t0, "devices": devices}, ckpt)
+                    "history": history, "window": window, "elapsed": time.time() - t0, "devices": devices}, tmp)
+        os.replace(tmp, ckpt)
 
     def step_data(step: int):
         """[(problems, (ids, labels), plan)] per group of `step`: a function of the step alone."""
@@ -336,7 +349,8 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     if mix is not None and cfg.workers > 0:
         from .train_eviction import DeathsAhead
 
-        ahead = DeathsAhead(mix, model.config, lambda s: [(plan, b[1]) for _, b, plan in step_data(s)], cfg.workers)
+        ahead = DeathsAhead(mix, model.config, lambda s: [(plan, b[1]) for _, b, plan in step_data(s)], cfg.workers,
+                            log=log)
 
     model.train()
     step_seconds = []
@@ -388,7 +402,8 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
             log(json.dumps(history[-1]))
         if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
             save(step + 1)
-    stop.restore()
+    # The handler stays until TRAINING.json is written: a pause asked for from here on lets the phase finish
+    # and is reported (`stop_requested`) so a recipe starts no further phase.
     if ahead is not None:
         ahead.close()
     # Training steps this invocation ran (data, forward, backward, optimizer; not the periodic held-out
@@ -424,6 +439,9 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
               "family": fam.name, "torch": torch.__version__, "eval_seed": rt.EVAL_SEED, "devices": devices}
     if cfg.init_from:   # the phase this one continued (its own TRAINING.json, loss curve included)
         record["previous_phase"] = json.loads((Path(cfg.init_from) / "TRAINING.json").read_text())
-    (out / "TRAINING.json").write_text(json.dumps(record, indent=2) + "\n")
+    tmp = out / "TRAINING.json.tmp"                # TRAINING.json marks a finished phase: written whole or not at all
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, out / "TRAINING.json")
     ckpt.unlink(missing_ok=True)
-    return record
+    stop.restore()
+    return {**record, "stop_requested": True} if stop.requested else record

@@ -108,7 +108,8 @@ def _quiet_worker() -> None:
 
 
 def _deaths_job(mix: EvictMix, plan, prompt_lens, lengths, width, num_layers, num_kv_heads):
-    return mix.deaths(prompt_lens, lengths, width, plan, num_layers, num_kv_heads)
+    # a numpy array: pickled whole, where a tensor would travel through /dev/shm (small in some containers)
+    return mix.deaths(prompt_lens, lengths, width, plan, num_layers, num_kv_heads).numpy()
 
 
 class DeathsAhead:
@@ -117,13 +118,16 @@ class DeathsAhead:
     Simulating random eviction over a long trace costs ~0.1 s a sample on one CPU core (chains-long, 8 KV heads),
     about what a GPU takes for the whole step: done inline the accelerator would wait on it. The records are a
     function of (plan, lengths) alone, so the result is the same as deaths_for's. `inputs(step)` gives a step's
-    [(plan, labels)] per group; the trainer's own data function, so nothing is computed twice differently."""
+    [(plan, labels)] per group; the trainer's own data function, so nothing is computed twice differently.
+    If the pool breaks (a worker killed, e.g. by a pause's SIGTERM sent to the process group before the worker
+    could ignore it), the rest is computed inline, with one line to `log`: the same records, slower."""
 
-    def __init__(self, mix: EvictMix, model_config, inputs, workers: int, ahead: int | None = None):
+    def __init__(self, mix: EvictMix, model_config, inputs, workers: int, ahead: int | None = None, log=print):
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        self.mix, self.inputs = mix, inputs
+        self.mix, self.inputs, self.log = mix, inputs, log
+        self.broken = False
         self.shape = (model_config.num_hidden_layers, model_config.num_key_value_heads)
         self.ahead = ahead or 2 * workers
         # spawn: the parent may hold a CUDA context, which a forked child must not inherit
@@ -132,6 +136,8 @@ class DeathsAhead:
         self.next_step = None
 
     def _submit(self, step: int) -> None:
+        if self.broken:
+            return
         for g, (plan, labels) in enumerate(self.inputs(step)):
             if self.mix is None or all(k is None for k, _ in plan):
                 self.futures[(step, g)] = None
@@ -146,10 +152,27 @@ class DeathsAhead:
         for s in range(start, min(step + self.ahead, last_step)):
             self._submit(s)
         self.next_step = max(start, min(step + self.ahead, last_step))
-        fut = self.futures.pop((step, group))
-        return {} if fut is None else {"kvtier_deaths": fut.result()}
+        import torch
+        from concurrent.futures.process import BrokenProcessPool
+
+        fut = self.futures.pop((step, group), "inline")
+        if fut is None:
+            return {}
+        if fut != "inline":
+            try:
+                return {"kvtier_deaths": torch.from_numpy(fut.result())}
+            except BrokenProcessPool as exc:
+                self.log(f"eviction workers stopped ({exc}); simulating the rest inline (same records, slower)")
+                self.close()
+        plan, labels = self.inputs(step)[group]
+        prompt_lens, lengths = row_spans(labels)
+        if all(k is None for k, _ in plan):
+            return {}
+        return {"kvtier_deaths": self.mix.deaths(prompt_lens, lengths, labels.shape[1], plan, *self.shape)}
 
     def close(self) -> None:
+        self.broken = True
+        self.futures.clear()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
