@@ -26,7 +26,7 @@ needs_model = pytest.mark.skipif(not SHIPPED, reason="src/kvtier/models/reasoner
 def test_problems_are_seeded_and_disjoint_from_training():
     assert rt.problems(3, 5, "local") == rt.problems(3, 5, "local")
     assert rt.problems(3, 5, "local") != rt.problems(4, 5, "local")
-    from kvtier.models.reasoner_train import held_out_keys, step_problems
+    from kvtier.models.reasoner_data import held_out_keys, step_problems
 
     held = held_out_keys()
     assert all((p.kind, p.y0, p.x0, p.n) not in held for s in range(20) for p in step_problems(rt.TRAIN_SEED, s, 8, held))
@@ -168,7 +168,8 @@ def test_training_under_eviction_is_deterministic_and_masks_what_it_says(tmp_pat
     a needle under eviction has no answer loss; full attention samples are not masked."""
     import torch
 
-    from kvtier.models.reasoner_train import TrainConfig, _batch, _token_weights, step_problems, train
+    from kvtier.models.reasoner_data import make_batch, step_problems, token_weights
+    from kvtier.models.reasoner_train import TrainConfig, train
     from kvtier.models.train_eviction import EvictMix, deaths_for, unanswerable
 
     tiny = dict(batch=2, threads=1, held_out=1, warmup=1, evict="random:128,256:32", full_share=0.5)
@@ -182,7 +183,7 @@ def test_training_under_eviction_is_deterministic_and_masks_what_it_says(tmp_pat
     plan = mix.assign(7, 3, "0", 64)
     assert plan == mix.assign(7, 3, "0", 64) and {k for k, _ in plan} == {None, 128, 256}
     probs = step_problems(7, 3, 2, set())
-    ids, labels = _batch(build_reasoner_tokenizer(), probs, 0)
+    ids, labels = make_batch(build_reasoner_tokenizer(), probs, 0)
     plan2 = [(None, 0), (128, 5)] if probs[1].kind == "needle" else [(128, 5), (None, 0)]
     from transformers import Qwen3ForCausalLM
 
@@ -190,7 +191,7 @@ def test_training_under_eviction_is_deterministic_and_masks_what_it_says(tmp_pat
     deaths = deaths_for(mix, plan2, labels, Qwen3ForCausalLM(reasoner_config()))["kvtier_deaths"]
     full_row = 0 if plan2[0][0] is None else 1
     assert (deaths[full_row] == torch.iinfo(torch.int32).max).all() and (deaths[1 - full_row] < 2**31 - 1).any()
-    w = _token_weights(labels, 20.0, unanswerable(probs, plan2))
+    w = token_weights(labels, 20.0, unanswerable(probs, plan2))
     needle = [i for i, p in enumerate(probs) if p.kind == "needle"][0]
     assert (w[needle].max() == 20.0) == (plan2[needle][0] is None)    # the answer weight only at full attention
     with pytest.raises(ValueError, match="reads the cache"):

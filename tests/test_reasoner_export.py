@@ -45,9 +45,9 @@ def test_a_long_shape_is_written_with_its_positions_in_the_tokenizer(tmp_path):
     from transformers import Qwen3ForCausalLM
 
     from kvtier.models.reasoner import build_reasoner_tokenizer, reasoner_config
-    from kvtier.models.reasoner_train import _save_hf
+    from kvtier.models.reasoner_save import save_model
 
     for shape, positions in (("long-8kv", 4096), ("base", 2048)):
-        _save_hf(Qwen3ForCausalLM(reasoner_config(shape)), build_reasoner_tokenizer(), tmp_path / shape)
+        save_model(Qwen3ForCausalLM(reasoner_config(shape)), build_reasoner_tokenizer(), tmp_path / shape)
         tok = json.loads((tmp_path / shape / "tokenizer_config.json").read_text())
         assert tok["model_max_length"] == positions, shape

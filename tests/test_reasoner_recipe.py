@@ -114,11 +114,11 @@ def test_a_broken_worker_pool_falls_back_to_the_same_records_inline():
     from concurrent.futures.process import BrokenProcessPool
 
     from kvtier.models.reasoner import build_reasoner_tokenizer, reasoner_config
-    from kvtier.models.reasoner_train import _batch, step_problems
+    from kvtier.models.reasoner_data import make_batch, step_problems
     from kvtier.models.train_eviction import DeathsAhead, EvictMix, deaths_for
 
     mix, tok, cfg = EvictMix.parse("random:128:32", 0.0), build_reasoner_tokenizer(), reasoner_config("base")
-    batches = {s: _batch(tok, step_problems(3, s, 2, set()), tok.pad_token_id) for s in range(3)}
+    batches = {s: make_batch(tok, step_problems(3, s, 2, set()), tok.pad_token_id) for s in range(3)}
     inputs = lambda s: [(mix.assign(3, s, "0", 2), batches[s][1])]            # noqa: E731
     lines = []
     ahead = DeathsAhead(mix, cfg, inputs, workers=1, log=lines.append)

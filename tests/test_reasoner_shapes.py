@@ -16,7 +16,7 @@ def _params(shape):
 
 
 def test_long_shapes_hold_the_long_family_and_8kv_keeps_the_parameters():
-    from kvtier.models.reasoner_train import longest_sequence
+    from kvtier.models.reasoner_data import longest_sequence
     from kvtier.tasks.chains import family
 
     long = longest_sequence(family("chains-long"))

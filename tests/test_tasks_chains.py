@@ -39,7 +39,7 @@ def test_the_shipped_family_is_unchanged(split, kind):
 
 
 def test_the_shipped_family_draws_the_same_training_batches():
-    from kvtier.models.reasoner_train import short_problems, step_problems
+    from kvtier.models.reasoner_data import short_problems, step_problems
 
     assert _digest(step_problems(16, 0, 8, set()) + step_problems(16, 123, 8, set())) == \
         "bde7d116ca4e78bbaf7c1927b244d18bc9a070766443bfa1af4a26789702146b"
@@ -114,7 +114,7 @@ def test_families_are_chosen_by_name_and_draw_their_own_problems():
 
 
 def test_training_draws_the_long_family_and_excludes_its_held_out_problems():
-    from kvtier.models.reasoner_train import held_out_keys, longest_sequence, step_problems
+    from kvtier.models.reasoner_data import held_out_keys, longest_sequence, step_problems
 
     held = held_out_keys(family="chains-long")
     got = [p for s in range(10) for p in step_problems(rt.TRAIN_SEED, s, 8, held, "chains-long")]
@@ -156,7 +156,7 @@ def test_eval_and_goodput_take_the_family():
     assert [t.prompt for t in load_tasks("reasoner", 2)] == [t.prompt for t in load_tasks("reasoner", 2, "chains")]
     # goodput's `auto` pool: 4 full traces of the family's (chains' unchanged; chains-long's: the long shapes' positions)
     from kvtier.benchmarks.goodput_cli import trace_tokens
-    from kvtier.models.reasoner_train import longest_sequence
+    from kvtier.models.reasoner_data import longest_sequence
 
     assert trace_tokens(None) == trace_tokens("chains") == 1024
     from kvtier.models.reasoner import reasoner_config

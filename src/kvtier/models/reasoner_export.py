@@ -1,7 +1,7 @@
 """A training checkpoint (`OUT/ckpt.pt`, written every `ckpt_every` steps and at a pause) as a model directory
 transformers, vLLM and verl load: an earlier point of a training, e.g. an RL start whose reward has room both
 ways (issue #38), or a phase's committed checkpoint from the git history. The weights, config, generation
-config and tokenizer are written exactly as a finished training writes them (`reasoner_train._save_hf`), with
+config and tokenizer are written exactly as a finished training writes them (`reasoner_save.save_model`), with
 EXPORT.json saying which checkpoint, at which step, and the training's last held-out record."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ def export_checkpoint(ckpt: Path, out: Path) -> dict:
     from transformers import AutoConfig, Qwen3ForCausalLM
 
     from .reasoner import build_reasoner_tokenizer, reasoner_config
-    from .reasoner_train import _save_hf, _saved_config
+    from .reasoner_save import save_model
+    from .reasoner_train import _saved_config
 
     ckpt, out = Path(ckpt), Path(out)
     state = torch.load(ckpt, weights_only=False, map_location="cpu")
@@ -28,7 +29,7 @@ def export_checkpoint(ckpt: Path, out: Path) -> dict:
         mcfg = reasoner_config(cfg["shape"])
     model = Qwen3ForCausalLM(mcfg)
     model.load_state_dict(state["model"])
-    sha = _save_hf(model, build_reasoner_tokenizer(), out)
+    sha = save_model(model, build_reasoner_tokenizer(), out)
     evals = [h for h in state.get("history", []) if any(k.startswith("held_out") for k in h)]
     rec = {"source": str(ckpt), "source_sha256": hashlib.sha256(ckpt.read_bytes()).hexdigest(),
            "step": int(state["step"]), "config": cfg, "last_held_out": evals[-1] if evals else None,

@@ -1,16 +1,16 @@
-"""Train the shipped reasoner (``kvtier model train-reasoner``): deterministic, CPU, resumable.
+"""Train the shipped reasoner (``kvtier model train-reasoner``): deterministic on a CPU, resumable on any device.
 
-Data: every step draws ``batch`` fresh problems (half local chains, half needles) of the task family
-``family`` (kvtier.tasks.chains: ``chains``, the shipped reasoner's, or ``chains-long``) from
-``random.Random(f"{seed}/{step}")``, skipping the family's held-out evaluation problems; each sequence is
-bos + prompt + trace + eos, and the loss is next-token cross-entropy on the trace and eos only (the prompt's
-numbers are random, not predictable). With ``evict`` each sample is trained under a simulated eviction
-replayed as death-time attention (train_eviction.py: which mix, why). Same seed, steps, thread count and
-precision (the resolved ``dtype``): same weights (no dropout; data depends on the step only, so a resumed
-run equals an uninterrupted one).
+Data (reasoner_data.py): every step draws ``batch`` fresh problems (half local chains, half needles) of the
+task family ``family`` (kvtier.tasks.chains) from the step's own seed, skipping the held-out problems; the
+loss is next-token cross-entropy on the trace and eos only. With ``evict`` each sample is trained under a
+simulated eviction replayed as death-time attention (train_eviction.py: which mix, why). Same seed, steps,
+thread count and precision (the resolved ``dtype``) on a CPU: same weights (no dropout; data depends on the
+step only, so a resumed run equals an uninterrupted one). ``device`` cuda trains on a GPU (its sums differ
+from a CPU's in the last bits); a checkpoint resumes on either, and TRAINING.json's ``devices`` says which
+steps ran where.
 
-Output (``out``, default ``src/kvtier/models/reasoner``): the Hugging Face files (bf16 safetensors, tied
-embeddings), the tokenizer, and ``TRAINING.json``: command parameters, data seed, steps, the
+Output (``out``, default ``src/kvtier/models/reasoner``): the Hugging Face files (reasoner_save.py), and
+``TRAINING.json``: command parameters, data seed, steps, the
 safetensors' sha256, the loss curve (every ``log_every`` steps), held-out teacher-forced token accuracy
 per kind, wall time. ``out/ckpt.pt`` (fp32 weights + optimizer, every ``ckpt_every`` steps, and at once
 on SIGTERM/SIGINT, which pause the run) lets the same command resume it; it is deleted when training
@@ -28,11 +28,9 @@ bfloat16`` into two scratch ``--out`` directories measures both; docs/reasoner.m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,10 +39,9 @@ from kvtier.engine import cpu_dtype
 from kvtier.tasks import chains as rt
 
 from .reasoner import REASONER_DIR, build_reasoner_tokenizer, reasoner_config
+from .reasoner_data import held_out_keys, longest_sequence, make_batch, short_problems, step_problems, token_weights
+from .reasoner_save import save_model
 from .train_eviction import EvictMix, deaths_for, unanswerable
-
-BOX_ID = 2   # the tokenizer's id of "\\boxed{" (reasoner.build_reasoner_tokenizer)
-
 
 @dataclass
 class TrainConfig:
@@ -109,69 +106,6 @@ def _saved_config(saved: dict) -> dict:
     return saved
 
 
-def longest_sequence(fam: rt.Family) -> int:
-    """bos + prompt + the family's longest trace + eos, in the reasoner's tokens (one per character)."""
-    return 1 + len(fam.eval_problems(1, "local")[0].prompt) + fam.max_trace_tokens + 1
-
-
-# Short chains for a second phase: the first model's errors were in a trace's first line and at counters
-# below 20; short chains have more of both per token.
-SHORT_N = (12, 40)
-
-
-def _batch(tok, problems, pad_id: int):
-    """(input_ids [B, T], labels [B, T]) with labels -100 on the prompt and padding."""
-    import torch
-
-    rows, labs = [], []
-    for p in problems:
-        prompt = tok(p.prompt)["input_ids"]                       # bos + prompt
-        trace = tok(p.trace, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        rows.append(prompt + trace)
-        labs.append([-100] * len(prompt) + trace)
-    T = max(map(len, rows))
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), T), -100, dtype=torch.long)
-    for i, (r, l) in enumerate(zip(rows, labs)):
-        ids[i, : len(r)] = torch.tensor(r)
-        labels[i, : len(l)] = torch.tensor(l)
-    return ids, labels
-
-
-def held_out_keys(count: int = 256, family: str = rt.DEFAULT_FAMILY) -> set:
-    fam = rt.family(family)
-    return {(p.kind, p.y0, p.x0, p.n) for k in rt.KINDS for p in fam.eval_problems(count, k)}
-
-
-def step_problems(seed: int, step: int, batch: int, exclude: set, family: str = rt.DEFAULT_FAMILY) -> list:
-    fam = rt.family(family)
-    rng = random.Random(f"{seed}/{step}")
-    out = []
-    while len(out) < batch:
-        p = fam.sample_problem(rng, rt.KINDS[len(out) % 2])
-        if (p.kind, p.y0, p.x0, p.n) not in exclude:
-            out.append(p)
-    return out
-
-
-def _token_weights(labels, answer_weight: float, no_answer: list[bool] | None = None):
-    """[B, T-1] loss weight of each predicted token: 0 off the trace, answer_weight from `\\boxed{` on
-    (0 for the rows `no_answer` marks)."""
-    import torch
-
-    tgt = labels[:, 1:]
-    answer = torch.cumsum((tgt == BOX_ID).long(), dim=1) > 0
-    w = (tgt != -100).float() * torch.where(answer, answer_weight, 1.0)
-    if no_answer is not None and any(no_answer):
-        w = w.masked_fill(answer & torch.tensor(no_answer).unsqueeze(1), 0.0)
-    return w
-
-
-def short_problems(seed: int, step: int, count: int, family: str = rt.DEFAULT_FAMILY) -> list:
-    rng = random.Random(f"{seed}/{step}/short")
-    return [rt.family(family).sample_problem(rng, "local", SHORT_N) for _ in range(count)]
-
-
 def _lr(cfg: TrainConfig, step: int) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -184,7 +118,7 @@ def teacher_forced_accuracy(model, tok, problems, mix: EvictMix | None = None, b
     with `mix` and `budget`, under that policy's simulated eviction at K = budget (eviction seed = index)."""
     import torch
 
-    ids, labels = _batch(tok, problems, tok.pad_token_id)
+    ids, labels = make_batch(tok, problems, tok.pad_token_id)
     extra = deaths_for(mix, [(budget, i) for i in range(len(problems))], labels, model) if budget else {}
     dev = model.device
     with torch.no_grad():
@@ -208,30 +142,6 @@ def _device_name(device: str) -> str:
         index = torch.cuda.current_device() if dev.index is None else dev.index
         return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
     return f"cpu ({cpu_dtype.cpu_model() or 'unknown'})"
-
-
-def _save_hf(model, tok, out: Path) -> str:
-    """Write config (the model's shape), generation config, bf16 safetensors and tokenizer; returns the
-    weights' sha256."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = reasoner_config(like=model.config)
-    cfg.dtype = "bfloat16"
-    cfg.save_pretrained(str(out))
-    GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=0).save_pretrained(str(out))
-    tok.model_max_length = model.config.max_position_embeddings   # a long shape's tokenizer says 4,096, not 2,048
-    tok.save_pretrained(str(out))
-    state = {k: v.detach().to("cpu", torch.bfloat16).contiguous().clone() for k, v in sorted(model.state_dict().items())
-             if k != "lm_head.weight"}                                   # tied to embed_tokens
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        p = out / name
-        if p.exists():
-            p.write_text(json.dumps(json.loads(p.read_text()), indent=2, sort_keys=True) + "\n")
-    return hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
 
 
 class _StopOnSignal:
@@ -341,7 +251,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         groups = [step_problems(cfg.seed, step, cfg.batch, exclude, fam.name)]
         if cfg.short_batch:
             groups.append(short_problems(cfg.seed, step, cfg.short_batch, fam.name))
-        return [(g, _batch(tok, g, tok.pad_token_id),
+        return [(g, make_batch(tok, g, tok.pad_token_id),
                  mix.assign(cfg.seed, step, str(i), len(g)) if mix else [(None, 0)] * len(g))
                 for i, g in enumerate(groups)]
 
@@ -367,7 +277,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         step_t0 = time.time()
         data = step_data(step)
         groups, batches, plans = ([d[i] for d in data] for i in range(3))
-        weights = [_token_weights(labels, cfg.answer_weight, unanswerable(g, plan))
+        weights = [token_weights(labels, cfg.answer_weight, unanswerable(g, plan))
                    for (_, labels), g, plan in zip(batches, groups, plans)]
         total = sum(float(w.sum()) for w in weights)
         loss_value = 0.0
@@ -421,7 +331,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     held = {k: teacher_forced_accuracy(model, tok, fam.eval_problems(cfg.held_out, k)) for k in rt.KINDS}
     for k in (mix.budgets if mix else ()):
         held[f"local_{mix.policy}_K{k}"] = teacher_forced_accuracy(model, tok, fam.eval_problems(cfg.held_out, "local"), mix, k)
-    sha = _save_hf(model, tok, out)
+    sha = save_model(model, tok, out)
     n_params = sum(p.numel() for n, p in model.named_parameters() if n != "lm_head.weight")
     record = {"command": f"kvtier model train-reasoner --steps {cfg.steps} --seed {cfg.seed} --batch {cfg.batch} "
                          f"--lr {cfg.lr} --warmup {cfg.warmup} --threads {cfg.threads} --dtype {dtype}"
