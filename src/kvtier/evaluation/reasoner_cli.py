@@ -34,6 +34,10 @@ def register(eval_app: typer.Typer) -> None:
         threads: int = typer.Option(1, help="torch CPU threads."),
         dtype: str = typer.Option("auto", help="Engine dtype: auto (float32 on a CPU without AVX512-BF16/AMX, "
                                   "where bf16 matmuls are emulated; else bfloat16), bfloat16, float32."),
+        engine: str = typer.Option("vllm", help="vllm (the served engine) or reference (kvtier.reference: transformers "
+                                   "with the same schedule and keep-sets; runs where vLLM is not, e.g. a GPU box)."),
+        device: str = typer.Option("", help="--engine reference: cuda or cpu (default: cuda when there is one)."),
+        max_batch: int = typer.Option(0, help="--engine reference: requests decoded together (0: all)."),
     ) -> None:
         """Full, random, snapkv, rkv, h2o, streaming x K on both task kinds; prints JSON, writes report.md
         (every pairwise comparison: paired problem-clustered bootstrap CI + sign test) and the plot.
@@ -58,9 +62,10 @@ def register(eval_app: typer.Typer) -> None:
             kw["kinds"] = tuple(_csv(kinds))
         try:
             cfg = ReasonerEvalConfig(buffer=buffer, temperature=temperature, seed=seed, threads=threads,
-                                     model=model or "", family=family, dtype=dtype, **kw)
+                                     model=model or "", family=family, dtype=dtype, engine=engine, device=device,
+                                     max_batch=max_batch, **kw)
         except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--dtype") from None
+            raise typer.BadParameter(str(exc), param_hint="--engine" if "engine" in str(exc) else "--dtype") from None
         try:
             check_positions(cfg)             # before any engine: the model must hold the family's traces
         except ValueError as exc:
@@ -142,3 +147,9 @@ def register(eval_app: typer.Typer) -> None:
         (out / "key_line.md").write_text(table)
         plot_key_line(results, out / "key_line.png")
         typer.echo(table)
+
+
+if __name__ == "__main__":   # `python -m kvtier.evaluation.reasoner_cli reasoner ...`: where vLLM is not (a GPU box, --engine reference)
+    _app = typer.Typer(no_args_is_help=True, add_completion=False)
+    register(_app)
+    _app()

@@ -63,12 +63,17 @@ class ReasonerEvalConfig:
     family: str = rt.DEFAULT_FAMILY     # the task family (kvtier.tasks.chains.FAMILIES)
     dtype: str = "auto"                 # engine dtype: auto (float32 on a CPU without native bf16, where vLLM's
                                         # bf16 matmuls are ~70x slower; else the models' bfloat16) | bfloat16 | float32
+    engine: str = "vllm"                # vllm | reference (kvtier.reference: transformers, the same keep-sets; GPU boxes without vLLM)
+    device: str = ""                    # reference: cuda when there is one, else cpu
+    max_batch: int = 0                  # reference: requests decoded together (0: all)
 
     def __post_init__(self):
         self.max_tokens = self.max_tokens or rt.family(self.family).max_tokens   # ValueError: unknown family
         self.kv_cache_mb = self.kv_cache_mb or KV_CACHE_MB.get(self.family, KV_CACHE_MB[rt.DEFAULT_FAMILY])
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
 
     @property
     def max_model_len(self) -> int:
@@ -77,6 +82,7 @@ class ReasonerEvalConfig:
 
 
 DTYPES = ("auto", "bfloat16", "float32")
+ENGINES = ("vllm", "reference")
 # The evaluation engine's KV pool: room for the grid's requests to run together, not a budget under test
 # (accuracy does not depend on it). chains-long at 512 MiB held 32 full 8-KV-head traces in bf16 and preempted
 # the rest; 2 GiB ran 32 requests 18% faster here (2026-12-04, a training beside both runs).
@@ -178,11 +184,16 @@ def run_reasoner_eval(cfg: ReasonerEvalConfig, out: str | Path, *, llm=None) -> 
     from kvtier.models.reasoner import reasoner_dir
 
     from .report import write_reports
-    from .runner import _run_vllm
+    from .runner import _run_reference, _run_vllm
 
     torch.set_num_threads(cfg.threads)
     cfg.model = cfg.model or str(reasoner_dir())
-    cfg.dtype = engine_dtype(cfg.dtype)      # the result's config records what ran
+    if cfg.engine == "reference":
+        cfg.device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if cfg.dtype == "auto":                # the engine's own rule: bf16 on CUDA; on a CPU, auto's
+            cfg.dtype = "bfloat16" if cfg.device.startswith("cuda") else engine_dtype("auto")
+    else:
+        cfg.dtype = engine_dtype(cfg.dtype)      # the result's config records what ran
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if llm is None:
@@ -191,10 +202,13 @@ def run_reasoner_eval(cfg: ReasonerEvalConfig, out: str | Path, *, llm=None) -> 
     cells = make_grid(cfg.policies, cfg.budgets)
     jobs = _jobs(cfg, tok, cells)
     t0 = time.time()
-    llm = llm or build_engine(cfg)
-    ecfg = EvalConfig(engine="vllm", model=cfg.model, runs=cfg.runs, max_tokens=cfg.max_tokens,
-                      temperature=cfg.temperature, top_p=cfg.top_p, buffer=cfg.buffer, seed=cfg.seed)
-    instances = _run_vllm(jobs, ecfg, llm, tok, None)
+    ecfg = EvalConfig(engine=cfg.engine, model=cfg.model, runs=cfg.runs, max_tokens=cfg.max_tokens,
+                      temperature=cfg.temperature, top_p=cfg.top_p, buffer=cfg.buffer, seed=cfg.seed,
+                      device=cfg.device or None, dtype=cfg.dtype, max_batch=cfg.max_batch)
+    if cfg.engine == "reference":
+        instances = _run_reference(jobs, ecfg, None, tok, None)
+    else:
+        instances = _run_vllm(jobs, ecfg, llm or build_engine(cfg), tok, None)
     seconds = time.time() - t0
     with open(out / "instances.jsonl", "w") as fh:
         for r in instances:
