@@ -97,3 +97,15 @@ def test_no_import_circles():
         if v not in index:
             visit(v)
     assert not circles, circles
+
+
+def test_the_cli_imports_no_heavy_dependency_until_a_command_runs():
+    """kvtier/cli.py's promise (`kvtier --help` is fast): assembling every command imports neither vLLM, Ray,
+    verl nor FastAPI (`kvtier engine check`'s package once imported vLLM at registration)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvtier.cli\n"
+            "print([m for m in ('vllm', 'ray', 'verl', 'fastapi') if m in sys.modules])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[]", (r.stdout, r.stderr[-2000:])

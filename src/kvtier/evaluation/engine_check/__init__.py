@@ -7,7 +7,17 @@ plants those faults. `runner.run_engine_check` builds the engine and runs them; 
 build from a service config or a model and vLLM arguments.
 """
 
-from .results import CheckResult, Report
-from .runner import CHECKS, run_engine_check
-
 __all__ = ["CHECKS", "CheckResult", "Report", "run_engine_check"]
+
+
+def __getattr__(name: str):
+    """Loaded on first use: the checks import vLLM, and `kvtier --help` imports this package's cli."""
+    if name in ("CHECKS", "run_engine_check"):
+        from . import runner
+
+        return getattr(runner, name)
+    if name in ("CheckResult", "Report"):
+        from . import results
+
+        return getattr(results, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
