@@ -88,12 +88,14 @@ def row_spans(labels) -> tuple[list[int], list[int]]:
 
 def deaths_for(mix: EvictMix | None, plan, labels, model):
     """The forward's kvtier_deaths kwarg for a batch (empty when training without eviction)."""
+    return _deaths_kwarg(mix, plan, labels, model.config.num_hidden_layers, model.config.num_key_value_heads)
+
+
+def _deaths_kwarg(mix: EvictMix | None, plan, labels, num_layers: int, num_kv_heads: int) -> dict:
     if mix is None or all(k is None for k, _ in plan):
         return {}
     prompt_lens, lengths = row_spans(labels)
-    cfg = model.config
-    return {"kvtier_deaths": mix.deaths(prompt_lens, lengths, labels.shape[1], plan, cfg.num_hidden_layers,
-                                        cfg.num_key_value_heads)}
+    return {"kvtier_deaths": mix.deaths(prompt_lens, lengths, labels.shape[1], plan, num_layers, num_kv_heads)}
 
 
 def _quiet_worker() -> None:
@@ -139,7 +141,7 @@ class DeathsAhead:
         if self.broken:
             return
         for g, (plan, labels) in enumerate(self.inputs(step)):
-            if self.mix is None or all(k is None for k, _ in plan):
+            if all(k is None for k, _ in plan):
                 self.futures[(step, g)] = None
                 continue
             prompt_lens, lengths = row_spans(labels)
@@ -165,10 +167,7 @@ class DeathsAhead:
                 self.log(f"eviction workers stopped ({exc}); simulating the rest inline (same records, slower)")
                 self.close()
         plan, labels = self.inputs(step)[group]
-        prompt_lens, lengths = row_spans(labels)
-        if all(k is None for k, _ in plan):
-            return {}
-        return {"kvtier_deaths": self.mix.deaths(prompt_lens, lengths, labels.shape[1], plan, *self.shape)}
+        return _deaths_kwarg(self.mix, plan, labels, *self.shape)
 
     def close(self) -> None:
         self.broken = True
