@@ -15,22 +15,23 @@ from pathlib import Path
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+def _cpuinfo(field: str) -> str | None:
+    """The first `field` line's value in /proc/cpuinfo (None where there is none)."""
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith(field))
+    except (OSError, StopIteration):
+        return None
+    return line.split(":", 1)[1].strip()
+
+
 def cpu_flags() -> set[str]:
     """The `flags` of /proc/cpuinfo (empty where there is none)."""
-    try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-    except (OSError, StopIteration):
-        return set()
-    return set(line.split(":", 1)[1].split())
+    return set((_cpuinfo("flags") or "").split())
 
 
 def cpu_model() -> str | None:
     """/proc/cpuinfo's `model name` (None where there is none): what a training records it ran on."""
-    try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name"))
-    except (OSError, StopIteration):
-        return None
-    return line.split(":", 1)[1].strip()
+    return _cpuinfo("model name")
 
 
 def native_bf16(flags: set[str] | None = None) -> bool | None:

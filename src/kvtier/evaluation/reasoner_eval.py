@@ -90,13 +90,15 @@ KV_CACHE_MB = {"chains": 512, "chains-long": 2048}
 QUICK = dict(problems=16, runs=1, policies=("random", "streaming"), budgets=(128, 512))
 
 
-def engine_dtype(requested: str, log=print) -> str:
-    """The engine dtype `requested` resolves to; auto says once what it chose where that is not bfloat16."""
+def engine_dtype(requested: str, log=print, accelerator: str | None = None) -> str:
+    """The engine dtype `requested` resolves to on `accelerator` (cpu | cuda; default: this machine's); auto
+    says once what it chose where that is not bfloat16."""
     import torch
 
     from kvtier.engine.cpu_dtype import resolve_dtype
 
-    dtype, why = resolve_dtype(requested, "cuda" if torch.cuda.is_available() else "cpu")
+    accelerator = accelerator or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, why = resolve_dtype(requested, accelerator)
     if why:
         log(why)
     return dtype or "bfloat16"
@@ -190,10 +192,8 @@ def run_reasoner_eval(cfg: ReasonerEvalConfig, out: str | Path, *, llm=None) -> 
     cfg.model = cfg.model or str(reasoner_dir())
     if cfg.engine == "reference":
         cfg.device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if cfg.dtype == "auto":                # the engine's own rule: bf16 on CUDA; on a CPU, auto's
-            cfg.dtype = "bfloat16" if cfg.device.startswith("cuda") else engine_dtype("auto")
-    else:
-        cfg.dtype = engine_dtype(cfg.dtype)      # the result's config records what ran
+    # the result's config records what ran (the reference engine: on its device)
+    cfg.dtype = engine_dtype(cfg.dtype, accelerator=torch.device(cfg.device).type if cfg.device else None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if llm is None:

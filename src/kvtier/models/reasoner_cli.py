@@ -18,6 +18,10 @@ def register(model_app: typer.Typer) -> None:
 
     d = TrainConfig()
 
+    def one_of(value: str, choices: tuple, hint: str) -> None:
+        if value not in choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}", param_hint=hint)
+
     @model_app.command("train-reasoner")
     def train_reasoner(
         out: Path = typer.Option(REASONER_DIR, help="Model directory (default: the shipped src/kvtier/models/reasoner)."),
@@ -49,10 +53,8 @@ def register(model_app: typer.Typer) -> None:
         """Deterministic CPU training (resumes from OUT/ckpt.pt); writes the model, tokenizer, TRAINING.json.
         Steps per second in each precision: --steps 24 --dtype float32 and --dtype bfloat16, each with its own
         scratch --out (TRAINING.json's `speed`; docs/reasoner.md)."""
-        if attention not in ATTENTION:
-            raise typer.BadParameter(f"{attention!r} is not one of {', '.join(ATTENTION)}", param_hint="--attention")
-        if dtype not in DTYPES:
-            raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPES)}", param_hint="--dtype")
+        one_of(attention, ATTENTION, "--attention")
+        one_of(dtype, DTYPES, "--dtype")
         try:
             task_family(family)
         except ValueError as exc:
@@ -87,8 +89,7 @@ def register(model_app: typer.Typer) -> None:
 
         if shape not in SHAPES:
             raise typer.BadParameter(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}", param_hint="--shape")
-        if attention not in ATTENTION:
-            raise typer.BadParameter(f"{attention!r} is not one of {', '.join(ATTENTION)}", param_hint="--attention")
+        one_of(attention, ATTENTION, "--attention")
         try:
             check_recipe(recipe, through)
         except ValueError as exc:

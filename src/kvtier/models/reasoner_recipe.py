@@ -49,8 +49,7 @@ def phase_configs(recipe: str, shape: str, work: Path, device: str = "cpu", work
     """[(phase name, out dir, TrainConfig)] of `recipe` for `shape` under `work`, each continuing the last."""
     from .reasoner_train import TrainConfig
 
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+    check_recipe(recipe)
     r = RECIPES[recipe]
     out, prev = [], ""
     for ph in r["phases"]:

@@ -28,6 +28,7 @@ bfloat16`` into two scratch ``--out`` directories measures both; docs/reasoner.m
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -246,6 +247,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
                     "history": history, "window": window, "elapsed": time.time() - t0, "devices": devices}, tmp)
         os.replace(tmp, ckpt)
 
+    @functools.lru_cache(maxsize=64)   # DeathsAhead reads a step's data ahead of the step: built once
     def step_data(step: int):
         """[(problems, (ids, labels), plan)] per group of `step`: a function of the step alone."""
         groups = [step_problems(cfg.seed, step, cfg.batch, exclude, fam.name)]

@@ -17,7 +17,10 @@ eviction like every other trace; their answer tokens get loss weight 0 (weight a
 from __future__ import annotations
 
 import random
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+
+import torch
 
 from kvtier.policies import EvictionSchedule, make_policy
 
@@ -102,8 +105,6 @@ def _quiet_worker() -> None:
     """A DeathsAhead worker: one thread, and the parent's SIGTERM/SIGINT (a training's pause) left to the parent."""
     import signal
 
-    import torch
-
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
@@ -135,7 +136,7 @@ class DeathsAhead:
         # spawn: the parent may hold a CUDA context, which a forked child must not inherit
         self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_quiet_worker)
         self.futures: dict[tuple[int, int], object] = {}
-        self.next_step = None
+        self.next_step = 0                             # the first step not yet submitted
 
     def _submit(self, step: int) -> None:
         if self.broken:
@@ -150,13 +151,10 @@ class DeathsAhead:
 
     def get(self, step: int, group: int, last_step: int) -> dict:
         """The forward's kvtier_deaths kwarg for `group` of `step` (steps up to last_step are prefetched)."""
-        start = step if self.next_step is None or self.next_step < step else self.next_step
+        start = max(step, self.next_step)
         for s in range(start, min(step + self.ahead, last_step)):
             self._submit(s)
         self.next_step = max(start, min(step + self.ahead, last_step))
-        import torch
-        from concurrent.futures.process import BrokenProcessPool
-
         fut = self.futures.pop((step, group), "inline")
         if fut is None:
             return {}
