@@ -31,7 +31,7 @@ def test_bench_goodput_stopped_by_sigterm_leaves_no_process(tmp_path):
         started = psutil.Process(proc.pid).children(recursive=True)
         assert any("ray" in " ".join(p.cmdline()) for p in started if p.is_running()), "no Ray cluster seen"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 128 + signal.SIGTERM
+        assert proc.wait(120) == 128 + signal.SIGTERM, log.read_text()[-3000:]
         time.sleep(2)
         left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not left, [(p.pid, " ".join(p.cmdline())[:120]) for p in left]

@@ -69,7 +69,7 @@ def test_probe_on_the_shipped_reasoner_is_anchored_at_both_ends():
     res = run_key_line_probe(model, build_reasoner_tokenizer(), family="chains", n=3, budget=512, buffer=32,
                              n_boot=200)
     conds = {c["heads_keeping_key"]: c for c in res["conditions"]}
-    assert sorted(conds) == [0, 1, 2] and res["num_kv_heads"] == 2 and res["pins_held"]
+    assert sorted(conds) == [0, 1, 2] and res["num_kv_heads"] == 2 and res["pins_audited"] == 3 * 3
     # the key line carries the answer: deleting it everywhere costs log-prob against keeping it everywhere,
     # and full attention (the shipped model: 1.00 on needles) retrieves every one
     assert conds[2]["mean_lp"] > conds[0]["mean_lp"] + 1.0

@@ -144,20 +144,34 @@ class ServerProcess:
 def stop_servers_on_signals():
     """While a benchmark runs: SIGTERM (timeout, CI runners, Kubernetes) and SIGINT raise SystemExit in
     the main thread, so every `finally: server.stop()` runs and no server, nor the Ray cluster a `kvtier
-    serve` child started, outlives the command (Python's default SIGTERM ends the process at once)."""
+    serve` child started, outlives the command (Python's default SIGTERM ends the process at once).
+
+    The command then exits 128 + the signal's number, as a shell reports a process the signal ended, even
+    where library code the SystemExit passed through swallowed it or raised something else in its place
+    (that exception is named in one line on stderr)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    received: list[int] = []
 
     def handler(signum, frame):
+        received.append(signum)
         raise SystemExit(128 + signum)
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
+    except BaseException as exc:
+        if not received or (isinstance(exc, SystemExit) and exc.code == 128 + received[0]):
+            raise
+        print(f"kvtier: stopped by signal {received[0]}; {type(exc).__name__} raised while stopping: {exc}",
+              file=sys.stderr)
+        raise SystemExit(128 + received[0]) from exc
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
+    if received:                      # the SystemExit was swallowed on its way out: stop as asked anyway
+        raise SystemExit(128 + received[0])
 
 
 # The stock arms load no vLLM plugin: kvtier's (an entry point of this environment) would otherwise be

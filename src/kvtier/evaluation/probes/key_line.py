@@ -147,7 +147,8 @@ def run_key_line_probe(model, tokenizer, *, family: str, heads: list[int] | None
         conditions.append({"heads_keeping_key": h, **retrieval(h), "R": recall_R(lp, kept, deleted), "R_ci": list(recall_ci(lp, kept, deleted, n_boot=n_boot, seed=seed)),
                            "exact": [bool(e) for e in res[h]["exact"]]})
     return {"probe": "key_line", "family": family, "instances": len(insts), "budget": budget, "buffer": buffer,
-            "full_attention": retrieval("full"), "pins_held": True,
+            "full_attention": retrieval("full"),
+            "pins_audited": len(insts) * len(heads),             # (instance, condition) pairs; a failed one raises
             "num_layers": L, "num_kv_heads": H, "seed": seed,
             "key_to_question_tokens": rt.family(family).key_to_question_tokens, "conditions": conditions}
 
