@@ -124,7 +124,7 @@ def test_stat_logger_tags_every_series_with_its_deployment(vllm_config, monkeypa
     from kvtier.service import engine_metrics
 
     monkeypatch.setattr(engine_metrics, "serve_deployment", lambda: "engine-shared")
-    logger = engine_metrics.DeploymentStatLogger(vllm_config, [0])
+    logger = engine_metrics.stat_logger(vllm_config, [0])
     wrappers = list(_wrappers(logger))
     names = {w.metric._name for w in wrappers}
     assert {m.source.replace(":", "_") for m in catalog.by_exporter(catalog.VLLM)} <= names

@@ -31,6 +31,8 @@ def test_auto_resolution_reads_the_cpu_flags(monkeypatch, flags, requested, devi
     assert dtype == want and why
     assert ("given" in why) == (requested != "auto")
     assert resolve_dtype(requested, device, flags=set(flags))[0] == want     # the same from explicit flags
+    # an explicit bf16 on a CPU that emulates it is honoured and says so (a recipe's resumed steps may land there)
+    assert ("given; this CPU" in why) == (requested == "bfloat16" and device == "cpu" and flags == AVX2)
 
 
 def test_a_bad_dtype_is_refused():

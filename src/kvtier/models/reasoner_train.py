@@ -84,11 +84,14 @@ def resolve_dtype(requested: str, device: str = "cpu", flags: set[str] | None = 
     one detector: kvtier.engine.cpu_dtype, which `kvtier serve`'s dtype auto reads too; `flags`: a test's)."""
     if requested not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {requested!r}")
+    native = None if device.startswith("cuda") else cpu_dtype.native_bf16(flags)
     if requested != "auto":
-        return requested, f"--dtype {requested} given"
+        slow = requested == "bfloat16" and native is False    # honoured (a recipe names its dtype), but said
+        return requested, f"--dtype {requested} given" + (
+            "; this CPU has neither AVX512-BF16 nor AMX: torch emulates bf16, ~2-3x slower steps than float32"
+            if slow else "")
     if device.startswith("cuda"):
         return "bfloat16", "auto: CUDA computes bf16 natively"
-    native = cpu_dtype.native_bf16(flags)
     if native:
         return "bfloat16", "auto: this CPU has AVX512-BF16 or AMX (native bf16 matmuls)"
     if native is None:

@@ -31,6 +31,7 @@ from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
 
+from kvtier.engine import compat
 from kvtier.engine.api import WARMUP_PROMPT_TOKENS
 
 from .first_token import first_item
@@ -93,18 +94,18 @@ class KVTierVLLMEngine(VLLMEngine):
 
         self.node_id = ray.get_runtime_context().get_node_id()
         self.load_tracker = LoadTracker()
-        manager = getattr(self._engine_client, "logger_manager", None)
+        manager = compat.stat_logger_manager(self._engine_client)
         if manager is None:
             raise RuntimeError("kvtier: the engine runs without vLLM's scheduler stats (disable_log_stats?); the "
                                "router's KV-pressure rule reads them: leave disable_log_stats off")
         from .engine_metrics import install
 
         install(manager, self._engine_client.vllm_config)   # vLLM's metrics, tagged with this deployment
-        manager.stat_loggers.append(self.load_tracker)
+        compat.stat_loggers(manager).append(self.load_tracker)
         await self._warm_up()
         if self.load_tracker.steps == 0:  # the stats of the warm-up's steps must have reached the tracker
             raise RuntimeError("kvtier: vLLM's scheduler stats do not reach kvtier's load tracker "
-                               f"(stat loggers: {[type(x).__name__ for x in manager.stat_loggers]})")
+                               f"(stat loggers: {[type(x).__name__ for x in compat.stat_loggers(manager)]})")
 
     async def _warm_up(self) -> None:
         from vllm import SamplingParams
