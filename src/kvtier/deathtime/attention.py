@@ -37,13 +37,12 @@ def layer_mask(deaths: Tensor, base: Tensor | None, q_len: int) -> Tensor:
     """[B, kv_heads, T, T] bool visibility for one layer: deaths [B, kv_heads, T] (its layer's slice);
     base: the model's bool mask broadcastable to [B, 1, T, T] (None: causal)."""
     T = deaths.shape[-1]
-    dev = deaths.device
-    i = torch.arange(T - q_len, T, device=dev).view(q_len, 1)
-    j = torch.arange(T, device=dev).view(1, T)
-    vis = (i < deaths.unsqueeze(-2)) & (j <= i)                               # [B, H, q, T]
+    i = torch.arange(T - q_len, T, device=deaths.device).view(q_len, 1)
+    vis = (i < deaths.unsqueeze(-2)).tril_(T - q_len)          # [B, H, q, T]: alive at query i, and j <= i
     if base is not None:
-        vis = vis & base.to(torch.bool)
-    return vis | (j == i)
+        vis &= base.to(torch.bool)
+    vis.diagonal(T - q_len, -2, -1).fill_(True)                # j == i; one pass over [T, T], not three
+    return vis
 
 
 def deathtime_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -69,7 +68,9 @@ def deathtime_attention(module, query: Tensor, key: Tensor, value: Tensor, atten
             low = torch.get_autocast_dtype(dev)        # leave q, k in fp32 beside a bf16 v
             query, key, value = query.to(low), key.to(low), value.to(low)
         return _flex(query, key, value, d_layer, attention_mask, scaling), None
-    vis = layer_mask(d_layer, attention_mask, q_len).repeat_interleave(Hq // H, dim=1)      # [B, Hq, q, T]
+    vis = layer_mask(d_layer, attention_mask, q_len)
+    if Hq != H:
+        vis = vis.repeat_interleave(Hq // H, dim=1)                           # [B, Hq, q, T]
     if kwargs.get("output_attentions"):               # the weights themselves: explicit fp32 softmax
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         k = key.float().repeat_interleave(Hq // H, dim=1)

@@ -42,6 +42,7 @@ from kvtier.tasks import chains as rt
 from .reasoner import REASONER_DIR, build_reasoner_tokenizer, reasoner_config
 from .reasoner_data import held_out_keys, longest_sequence, make_batch, short_problems, step_problems, token_weights
 from .reasoner_save import save_model
+from .reasoner_step import SPLIT_FROM, backward_group, splits_rows
 from .train_eviction import EvictMix, deaths_for, unanswerable
 
 @dataclass
@@ -237,6 +238,8 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     else:
         window = []
     here = _device_name(cfg.device)
+    if splits_rows(cfg.device, longest_sequence(fam)):    # a change of how steps run, recorded like a device's
+        here += f" (groups of {SPLIT_FROM}+ tokens a row at a time: reasoner_step.py)"
     if not devices or devices[-1]["device"] != here:
         if devices:
             log(f"resuming on {here}; steps before {start} ran on {devices[-1]['device']} (TRAINING.json records both)")
@@ -289,16 +292,9 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         for g, ((ids, labels), w, plan) in enumerate(zip(batches, weights, plans)):   # one weighted mean over every group's trace tokens
             extra = ahead.get(step, g, cfg.steps) if ahead is not None else deaths_for(mix, plan, labels, model)
             ids, labels, w, extra = ids.to(cfg.device), labels.to(cfg.device), w.to(cfg.device), _on(extra, cfg.device)
-            with torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-                if cfg.answer_weight == 1.0 and mix is None:   # transformers' own loss: how phases 1-2 ran (same bits)
-                    loss = model(input_ids=ids, labels=labels).loss * (float(w.sum()) / total)
-                else:
-                    logits = model(input_ids=ids, **extra).logits[:, :-1].float()
-                    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:].clamp(min=0),
-                                                           reduction="none")
-                    loss = (ce * w).sum() / total
-            loss.backward()
-            loss_value += loss.item()
+            loss_value += backward_group(model, ids, labels, w, extra, plan, total, bf16=dtype == "bfloat16",
+                                         hf_loss=cfg.answer_weight == 1.0 and mix is None,   # how phases 1-2 ran
+                                         split=splits_rows(cfg.device, ids.shape[1]))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
