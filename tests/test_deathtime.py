@@ -4,6 +4,7 @@ agreement with both engines, gradients, padding, and FlexAttention.
 CPU, tiny Qwen3; the engine test shares one vLLM engine for the module.
 """
 
+import itertools
 import types
 
 import pytest
@@ -26,6 +27,25 @@ def test_visibility_is_the_death_rule():
     for i in range(6):
         for j in range(6):
             assert bool(vis[i, j]) == (j <= i < int(deaths[j])), (i, j)
+
+
+@pytest.mark.parametrize("q_len, with_base", [(7, False), (7, True), (3, True), (1, False)])
+def test_a_layers_mask_is_the_death_rule_and_the_models_mask(q_len, with_base):
+    """layer_mask, cell by cell: (j <= i < deaths[j] and the model's mask) or j == i, for the last q_len queries
+    (a prefill, a chunk, a decode step)."""
+    from kvtier.deathtime.attention import layer_mask
+
+    g = torch.Generator().manual_seed(3)
+    B, H, T = 2, 3, 7
+    deaths = torch.randint(1, T + 1, (B, H, T), generator=g, dtype=torch.int32)
+    deaths[0, 0, 2] = NEVER
+    base = torch.rand(B, 1, q_len, T, generator=g) > 0.3 if with_base else None
+    vis = layer_mask(deaths, base, q_len)
+    assert vis.shape == (B, H, q_len, T) and vis.dtype == torch.bool
+    for b, h, qi, j in itertools.product(range(B), range(H), range(q_len), range(T)):
+        i = T - q_len + qi
+        want = (j <= i < int(deaths[b, h, j]) and (base is None or bool(base[b, 0, qi, j]))) or j == i
+        assert bool(vis[b, h, qi, j]) == want, (b, h, qi, j)
 
 
 def test_deaths_from_rounds_by_hand():

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from kvtier.engine import compat
+
 from .harness import TINY_BLOCK_BYTES, TINY_BLOCK_TOKENS
 
 TARGETS = {"ratio_min": 2.0, "compressed_preemptions": 0}
@@ -70,11 +72,11 @@ class StepCounter(StatLoggerBase):
 
 def _install_counter(server) -> dict:
     """(Runs in the server actor.) Add a StepCounter to the AsyncLLM; the pool it got."""
-    manager = getattr(server.engine, "logger_manager", None)
+    manager = compat.stat_logger_manager(server.engine)
     if manager is None:
         raise RuntimeError("the rollout server's AsyncLLM has no stat loggers (disable_log_stats must be false)")
     server._bench_counter = StepCounter()
-    manager.stat_loggers.append(server._bench_counter)
+    compat.stat_loggers(manager).append(server._bench_counter)
     cache = server.engine.vllm_config.cache_config
     return {"blocks": (cache.num_gpu_blocks or 1) - 1, "block_size": cache.block_size}   # minus the null block
 

@@ -34,14 +34,14 @@ def register() -> str:
 
 
 def layer_mask(deaths: Tensor, base: Tensor | None, q_len: int) -> Tensor:
-    """[B, kv_heads, T, T] bool visibility for one layer: deaths [B, kv_heads, T] (its layer's slice);
-    base: the model's bool mask broadcastable to [B, 1, T, T] (None: causal)."""
+    """[B, kv_heads, q_len, T] bool visibility of the last q_len queries for one layer: deaths [B, kv_heads, T]
+    (its layer's slice); base: the model's bool mask broadcastable to [B, 1, q_len, T] (None: causal)."""
     T = deaths.shape[-1]
     i = torch.arange(T - q_len, T, device=deaths.device).view(q_len, 1)
     vis = (i < deaths.unsqueeze(-2)).tril_(T - q_len)          # [B, H, q, T]: alive at query i, and j <= i
     if base is not None:
         vis &= base.to(torch.bool)
-    vis.diagonal(T - q_len, -2, -1).fill_(True)                # j == i; one pass over [T, T], not three
+    vis.diagonal(T - q_len, -2, -1).fill_(True)                # j == i (in place: fewer passes over [q, T])
     return vis
 
 

@@ -224,6 +224,12 @@ def stat_logger_manager(engine_client):
     return getattr(engine_client, "logger_manager", None)
 
 
+def in_flight_requests(engine_client) -> int | None:
+    """Requests the AsyncLLM frontend has sent to its engine core and not seen finish (None if unknown)."""
+    processor = getattr(engine_client, "output_processor", None)
+    return len(getattr(processor, "request_states", ())) if processor is not None else None
+
+
 def stat_loggers(manager) -> list:
     """The manager's loggers, in the order it calls them each step; kvtier appends to it in place."""
     return manager.stat_loggers

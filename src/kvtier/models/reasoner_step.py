@@ -2,8 +2,9 @@
 
 The loss is sum(w * token cross-entropy) / total over the step's groups, so it splits over rows: on a CPU a
 group of long rows runs one row at a time, each cut to its own length, instead of one right-padded batch,
-whose attention is paid up to the longest row for every row (quadratic in it). chains-long, long-8kv, 8 rows of
-2.6-3.6k tokens, bf16, 2 cores: 7.0-8.0 s padded, 5.8-6.3 s a row at a time (2026-12-05). The gradient is the
+whose attention is paid up to the longest row for every row (quadratic in it). chains-long, long-8kv, bf16, 2
+cores, 2026-12-05: the forward and backward of 8 rows of 2.6-3.6k tokens 7.0-8.0 s padded, 5.8-6.3 s a row at a
+time; a whole p1 step (with its data and optimizer) 8.2-8.7 s before, 6.8-6.9 s after. The gradient is the
 same sum (in another order: the last bits differ). On a GPU the batch stays whole (it pays no padding time
 worth 8 launches), and so does a group narrower than SPLIT_FROM (the `chains` family, short chains), so the
 shipped reasoner's phases compute what they computed.

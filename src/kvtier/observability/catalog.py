@@ -12,7 +12,8 @@ How the scraped names arise:
   Ray metrics and replaces `:` by `_`, so `vllm:num_preemptions` (a counter) is scraped as
   `ray_vllm_num_preemptions_total`. Labels: `model_name` (the served model id, `engines.<name>.model_id`,
   which engines may share), `engine` (engine index), `ReplicaId` (a replica's random id) and `deployment`
-  (`engine-<name>`), which kvtier's subclass of that logger adds (`kvtier.service.engine_metrics`).
+  (`engine-<name>`), which kvtier's subclass of that logger adds (`kvtier.engine.compat.ray_stat_logger_tagged`,
+  installed by `kvtier.service.engine_metrics`).
 - Metrics created with `ray.serve.metrics` inside a Serve replica get `deployment`, `replica` and
   `application` automatically (they are reserved: do not pass them as tag keys). With
   `ray.util.metrics` the exporter must add `deployment` itself.

@@ -123,7 +123,6 @@ class KVTierVLLMEngine(VLLMEngine):
         engines = list(t.by_engine.values()) or [(0, 0, 0.0)]
         total = per_engine * len(engines)
         free = sum(round((1.0 - usage) * per_engine) for _, _, usage in engines)
-        processor = getattr(self._engine_client, "output_processor", None)
         now = time.time()
         return {
             "running": sum(r for r, _, _ in engines), "waiting": sum(w for _, w, _ in engines),
@@ -131,7 +130,7 @@ class KVTierVLLMEngine(VLLMEngine):
             "block_size": cache.block_size, "updated_at": t.updated_at, "age_s": round(now - t.updated_at, 3),
             "steps": t.steps, "preemptions": t.preemptions,
             # requests the frontend has sent to the engine core and not seen finish (a cross-check)
-            "in_flight": len(getattr(processor, "request_states", ())) if processor is not None else None,
+            "in_flight": compat.in_flight_requests(self._engine_client),
             "errored": self.errored, "node_id": self.node_id,
         }
 
