@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .train_eviction import row_spans
+
 SPLIT_FROM = 2048    # tokens: a group at least this wide runs a row at a time on a CPU
 
 
@@ -25,8 +27,7 @@ def rows(ids, labels, w, extra: dict, plan) -> list[tuple]:
     """(ids, labels, w, extra) of each row cut to its length (its last labelled token); a row under full
     attention (plan (None, _)) drops the death times, whose all-NEVER mask would only slow its attention."""
     out = []
-    for i in range(ids.shape[0]):
-        n = int((labels[i] != -100).nonzero().max()) + 1
+    for i, n in enumerate(row_spans(labels)[1]):
         x = {} if plan[i][0] is None else {k: v[i:i + 1, ..., :n] for k, v in extra.items()}
         out.append((ids[i:i + 1, :n], labels[i:i + 1, :n], w[i:i + 1, :n - 1], x))
     return out
