@@ -207,6 +207,35 @@ def test_gradients_match_finite_differences():
     assert abs(grads[0] - grads[1]) > 0.05 * abs(grads[0])
 
 
+@pytest.mark.parametrize("q_len", [23, 6])
+def test_query_chunks_compute_the_whole_masks_attention(monkeypatch, q_len):
+    """The mask path in query chunks (QUERY_CHUNK forced to 5: chunks of 5, 5, ..., 3 over keys cut at each
+    chunk's last query) gives the one-mask softmax (the output_attentions path), float64, with GQA, left
+    padding, a prefill and a later chunk of queries; and its gradient passes gradcheck."""
+    g = torch.Generator().manual_seed(4)
+    B, Hq, H, T, d = 2, 4, 2, 23, 8
+    q = torch.randn(B, Hq, q_len, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, H, T, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    deaths = torch.full((B, 1, H, T), NEVER, dtype=torch.int32)
+    deaths[:, 0, :, 3:15] = torch.randint(12, T, (B, H, 12), generator=g, dtype=torch.int32)
+    base = torch.ones(B, 1, q_len, T, dtype=torch.bool).tril(T - q_len)
+    base[1, :, :, :4] = False                                  # sample 1: 4 left-padding keys
+    layer = types.SimpleNamespace(layer_idx=0, training=False)
+
+    def one_mask(base):                                        # [B, q, Hq, d]: one softmax over the whole mask
+        vis = dt_attention.layer_mask(deaths[:, 0], base, q_len).repeat_interleave(Hq // H, dim=1)
+        kk, vv = (x.repeat_interleave(Hq // H, dim=1) for x in (k, v))
+        w = torch.softmax((q @ kk.transpose(2, 3) * d ** -0.5).masked_fill(~vis, float("-inf")), dim=-1)
+        return (w @ vv).transpose(1, 2)
+
+    monkeypatch.setattr(dt_attention, "QUERY_CHUNK", 5)
+    got, _ = dt_attention.deathtime_attention(layer, q, k, v, base, kvtier_deaths=deaths)
+    assert torch.allclose(got, one_mask(base), atol=1e-12)
+    assert not torch.allclose(got, one_mask(None), atol=1e-3)  # the padding mattered: it was cut per chunk, not lost
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: dt_attention.deathtime_attention(layer, q, k, v, base, kvtier_deaths=deaths)[0], (q, k, v))
+
+
 def test_flex_attention_forward_agrees_with_the_mask_path(monkeypatch):
     """The CUDA path (FlexAttention with a mask_mod over the deaths) forced on CPU: same output as the
     boolean-mask SDPA path, with GQA and padding."""
