@@ -36,6 +36,9 @@ def test_tasks_reasoner_default_and_jsonl(tmp_path):
     tasks = load_tasks("reasoner", 3)
     assert [t.kind for t in tasks] == ["local", "needle"] * 3 and len({t.pid for t in tasks}) == 6
     assert all(t.prompt.endswith("\n") and len(t.answer) == 2 for t in tasks)
+    local = load_tasks("reasoner", 3, kinds=("local",))           # the local-chain workload
+    assert [t.pid for t in local] == [t.pid for t in tasks if t.kind == "local"]
+    assert [t.prompt for t in local] == [t.prompt for t in tasks if t.kind == "local"]
     f = tmp_path / "t.jsonl"
     f.write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match="needs 'prompt' and 'answer'"):
@@ -110,6 +113,17 @@ def test_load_sweep_runs_every_arm_at_every_load_and_plots(tmp_path, monkeypatch
     assert res["commit"] == "abc" and "settings" not in res["loads"]["1"]
     goodput_load.plot_loads(res, tmp_path / "loads.png")
     assert (tmp_path / "loads.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("argv, hint", [(["--kinds", "local,haystack"], "--kinds"), (["--kinds", ","], "--kinds"),
+                                        (["--tasks", "t.jsonl", "--kinds", "local"], "--kinds")])
+def test_bad_kinds_are_a_usage_error(argv, hint):
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "goodput", *argv, "--workdir", "/nonexistent/never"])
+    assert r.exit_code == 2 and hint in r.output, r.output
 
 
 def test_bad_concurrency_is_a_usage_error():

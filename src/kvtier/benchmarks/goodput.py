@@ -1,7 +1,7 @@
 """`kvtier bench goodput`: correct answers per second at a memory budget, through the service, against
 stock vLLM.
 
-Graded problems (the reasoner's held-out problems, both kinds in equal numbers, or a JSONL of
+Graded problems (the reasoner's held-out problems, both kinds in equal numbers or one alone, or a JSONL of
 {"prompt", "answer"[, "kind", "id"]}) go through stock vLLM's OpenAI server and through `kvtier serve`:
 one arm per tier (forced by the tier header), `full`, and `auto` (kvtier's routing). Every engine gets
 the same model, KV bytes, max_model_len and max_num_seqs (servers.EngineSettings, sized as `bench serve`
@@ -43,14 +43,15 @@ class GradedTask:
     answer: str
 
 
-def load_tasks(spec: str, per_kind: int, family: str = "chains") -> list[GradedTask]:
-    """'reasoner': `per_kind` held-out problems of each kind of the task family `family` (kvtier.tasks.chains;
-    ValueError for an unknown one), interleaved; else a JSONL path (first 2 * per_kind lines)."""
+def load_tasks(spec: str, per_kind: int, family: str = "chains", kinds: tuple[str, ...] | None = None) -> list[GradedTask]:
+    """'reasoner': `per_kind` held-out problems of each of `kinds` (default: every kind) of the task family
+    `family` (kvtier.tasks.chains; ValueError for an unknown family or kind), interleaved; else a JSONL path
+    (first 2 * per_kind lines)."""
     if spec == "reasoner":
         from kvtier.tasks import chains
 
         fam = chains.family(family)
-        kinds = [fam.eval_problems(per_kind, k) for k in chains.KINDS]
+        kinds = [fam.eval_problems(per_kind, k) for k in (kinds or chains.KINDS)]
         return [GradedTask(f"{p.kind}-{i}", p.kind, p.prompt, p.answer)
                 for i, group in enumerate(zip(*kinds)) for p in group]
     out = []

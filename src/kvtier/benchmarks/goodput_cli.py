@@ -31,6 +31,9 @@ def register(bench_app: typer.Typer) -> None:
         family: Optional[str] = typer.Option(None, help="With --tasks reasoner: the task family, chains (default, "
                                              "the shipped reasoner's) or chains-long (2.5-4k-token traces: a "
                                              "--config whose model and max_model_len hold 4,096 tokens)."),
+        kinds: Optional[str] = typer.Option(None, help="With --tasks reasoner: comma-separated task kinds, local "
+                                            "and/or needle (default both, in equal numbers; local alone: the "
+                                            "local-chain workload)."),
         arms: str = typer.Option("stock,full,auto", help="Comma-separated: stock, full, auto, or tier names."),
         config: Optional[Path] = typer.Option(None, "--config", "-c", help="Service YAML with one engine "
                                               "(default: src/kvtier/configs/reasoner.yaml)."),
@@ -54,7 +57,7 @@ def register(bench_app: typer.Typer) -> None:
         preemptions, eviction events, failed; ratios to stock)."""
         from kvtier.service.config import DEFAULT_CONFIG
 
-        from kvtier.tasks.chains import family as task_family
+        from kvtier.tasks.chains import KINDS, family as task_family
 
         from .goodput import load_tasks, plot as draw, run_goodput
         from .goodput_load import plot_loads, run_goodput_loads
@@ -73,8 +76,13 @@ def register(bench_app: typer.Typer) -> None:
                 fam = task_family(family or "chains")
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--family") from None
-        elif family is not None:
-            raise typer.BadParameter("chooses the reasoner's problems; --tasks is a JSONL here", param_hint="--family")
+        else:
+            for name, given in (("--family", family), ("--kinds", kinds)):
+                if given is not None:
+                    raise typer.BadParameter("chooses the reasoner's problems; --tasks is a JSONL here", param_hint=name)
+        chosen_kinds = None if kinds is None else tuple(k.strip() for k in kinds.split(",") if k.strip())
+        if chosen_kinds is not None and (not chosen_kinds or set(chosen_kinds) - set(KINDS)):
+            raise typer.BadParameter(f"{kinds!r}: one or more of {', '.join(KINDS)}", param_hint="--kinds")
         max_tokens = max_tokens or (fam.max_tokens if fam else 1200)
         default = DEFAULT_CONFIG.with_name("reasoner.yaml")
         cfg, settings = engine_settings(config, None if kv_bytes == "auto" else kv_bytes, max_num_seqs, None, default=default)
@@ -93,7 +101,7 @@ def register(bench_app: typer.Typer) -> None:
                                      f"max_tokens {max_tokens}); the config's engine has {settings.max_model_len}: "
                                      "pass --config with a model trained for it", param_hint="--family")
         try:
-            graded = load_tasks(tasks, problems, fam.name if fam else "chains")
+            graded = load_tasks(tasks, problems, fam.name if fam else "chains", chosen_kinds)
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--tasks") from None
         log = lambda m: typer.echo(m, err=True)  # noqa: E731
