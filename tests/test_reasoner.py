@@ -63,7 +63,8 @@ def test_tokenizer_round_trip():
 
 
 def test_training_is_deterministic_and_a_second_phase_records_the_first(tmp_path):
-    from kvtier.models.reasoner_train import TrainConfig, train
+    from kvtier.models.reasoner_train import train
+    from kvtier.models.train_config import TrainConfig
 
     tiny = dict(batch=1, threads=1, held_out=1, warmup=1)
     first = train(TrainConfig(steps=1, **tiny), tmp_path / "p1", log=lambda s: None)
@@ -169,7 +170,8 @@ def test_training_under_eviction_is_deterministic_and_masks_what_it_says(tmp_pat
     import torch
 
     from kvtier.models.reasoner_data import make_batch, step_problems, token_weights
-    from kvtier.models.reasoner_train import TrainConfig, train
+    from kvtier.models.reasoner_train import train
+    from kvtier.models.train_config import TrainConfig
     from kvtier.models.train_eviction import EvictMix, deaths_for, unanswerable
 
     tiny = dict(batch=2, threads=1, held_out=1, warmup=1, evict="random:128,256:32", full_share=0.5)

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from kvtier.engine import cpu_dtype
-from kvtier.models.reasoner_train import TrainConfig, _saved_config, resolve_dtype, train
+from kvtier.models.reasoner_train import train
+from kvtier.models.train_config import TrainConfig, resolve_dtype, saved_config
 
 AVX2 = {"fpu", "sse2", "avx", "avx2", "fma"}
 AMX = AVX2 | {"avx512f", "amx_tile", "amx_bf16", "amx_int8"}
@@ -75,5 +76,5 @@ def test_a_model_without_the_positions_is_refused_and_old_checkpoints_resume(tmp
     assert not (tmp_path / "long" / "TRAINING.json").exists()
     # a checkpoint written before #36 (bf16 true/false, no family) reads as today's fields
     old = {**{k: v for k, v in vars(TrainConfig()).items() if k not in ("dtype", "family")}, "bf16": True}
-    assert _saved_config(old) == {**vars(TrainConfig()), "dtype": "bfloat16"}
-    assert _saved_config({**old, "bf16": False})["dtype"] == "float32"
+    assert saved_config(old) == {**vars(TrainConfig()), "dtype": "bfloat16"}
+    assert saved_config({**old, "bf16": False})["dtype"] == "float32"

@@ -17,7 +17,7 @@ def test_checkpoint_exports_to_a_loadable_model_with_its_weights(tmp_path):
 
     from kvtier.models.reasoner import reasoner_config
     from kvtier.models.reasoner_export import export_checkpoint
-    from kvtier.models.reasoner_train import TrainConfig
+    from kvtier.models.train_config import TrainConfig
 
     torch.manual_seed(3)
     model = Qwen3ForCausalLM(reasoner_config("long-8kv")).eval()

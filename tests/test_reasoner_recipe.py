@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvtier.models.reasoner_recipe import RECIPES, phase_configs, run_recipe
-from kvtier.models.reasoner_train import TrainConfig, train
+from kvtier.models.reasoner_train import train
+from kvtier.models.train_config import TrainConfig
 
 TINY = dict(steps=2, batch=1, threads=1, held_out=1, warmup=1, dtype="float32")
 

@@ -42,7 +42,8 @@ def test_unknown_shape_is_refused_by_name():
 
 
 def test_chains_long_needs_a_long_shape_and_trains_with_one(tmp_path):
-    from kvtier.models.reasoner_train import TrainConfig, train
+    from kvtier.models.reasoner_train import train
+    from kvtier.models.train_config import TrainConfig
 
     with pytest.raises(ValueError, match="--shape base"):
         train(TrainConfig(steps=1, batch=1, family="chains-long", dtype="float32", threads=1), tmp_path / "base",

@@ -14,7 +14,7 @@ def register(model_app: typer.Typer) -> None:
     from kvtier.tasks.chains import FAMILIES, family as task_family
 
     from .reasoner import REASONER_DIR
-    from .reasoner_train import ATTENTION, DTYPES, TrainConfig
+    from .train_config import ATTENTION, DTYPES, TrainConfig
 
     d = TrainConfig()
 

@@ -18,11 +18,11 @@ def export_checkpoint(ckpt: Path, out: Path) -> dict:
 
     from .reasoner import build_reasoner_tokenizer, reasoner_config
     from .reasoner_save import save_model
-    from .reasoner_train import _saved_config
+    from .train_config import saved_config
 
     ckpt, out = Path(ckpt), Path(out)
     state = torch.load(ckpt, weights_only=False, map_location="cpu")
-    cfg = _saved_config(state["config"])
+    cfg = saved_config(state["config"])
     if cfg.get("init_from"):       # a second phase keeps its first model's shape
         mcfg = reasoner_config(like=AutoConfig.from_pretrained(cfg["init_from"]))
     else:

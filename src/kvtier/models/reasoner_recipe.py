@@ -47,7 +47,7 @@ RECIPES: dict[str, dict] = {
 
 def phase_configs(recipe: str, shape: str, work: Path, device: str = "cpu", workers: int = 0, attention: str = "auto"):
     """[(phase name, out dir, TrainConfig)] of `recipe` for `shape` under `work`, each continuing the last."""
-    from .reasoner_train import TrainConfig
+    from .train_config import TrainConfig
 
     check_recipe(recipe)
     r = RECIPES[recipe]

@@ -37,7 +37,7 @@ the first step straight from the prompt's tens-first numbers got its tens digit 
 other remaining error was the boxed answer, which had to read the question ~1,000 tokens back while
 deciding what to box (one answer per trace: little signal): the trace now restates the question first (a
 copy of the two characters after the prompt's only ``?``), and the last training phases weight the
-answer's tokens (reasoner_train.TrainConfig.answer_weight).
+answer's tokens (train_config.TrainConfig.answer_weight).
 
 Both kinds share the trace; they differ in the prompt's last field and the boxed answer. A trace line is
 10 tokens (the reasoner's tokenizer is one token per character, ``\\boxed{`` one token), so ``n`` in
