@@ -116,6 +116,7 @@ def test_load_sweep_runs_every_arm_at_every_load_and_plots(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("argv, hint", [(["--kinds", "local,haystack"], "--kinds"), (["--kinds", ","], "--kinds"),
+                                        (["--kinds", "local,local"], "--kinds"),
                                         (["--tasks", "t.jsonl", "--kinds", "local"], "--kinds")])
 def test_bad_kinds_are_a_usage_error(argv, hint):
     from typer.testing import CliRunner

@@ -207,11 +207,12 @@ def test_gradients_match_finite_differences():
     assert abs(grads[0] - grads[1]) > 0.05 * abs(grads[0])
 
 
-@pytest.mark.parametrize("q_len", [23, 6])
-def test_query_chunks_compute_the_whole_masks_attention(monkeypatch, q_len):
+@pytest.mark.parametrize("q_len, mask", [(23, "rows"), (6, "rows"), (23, "one row"), (6, None)])
+def test_query_chunks_compute_the_whole_masks_attention(monkeypatch, q_len, mask):
     """The mask path in query chunks (QUERY_CHUNK forced to 5: chunks of 5, 5, ..., 3 over keys cut at each
-    chunk's last query) gives the one-mask softmax (the output_attentions path), float64, with GQA, left
-    padding, a prefill and a later chunk of queries; and its gradient passes gradcheck."""
+    chunk's last query) gives the one-mask softmax, float64, with GQA, for a prefill and a later chunk of
+    queries, under the model's mask with its own rows (causal, left padding, holes that differ by row), one row
+    for every query, or none; its gradient passes gradcheck; a mask with other rows is refused."""
     g = torch.Generator().manual_seed(4)
     B, Hq, H, T, d = 2, 4, 2, 23, 8
     q = torch.randn(B, Hq, q_len, d, generator=g, dtype=torch.float64, requires_grad=True)
@@ -220,6 +221,11 @@ def test_query_chunks_compute_the_whole_masks_attention(monkeypatch, q_len):
     deaths[:, 0, :, 3:15] = torch.randint(12, T, (B, H, 12), generator=g, dtype=torch.int32)
     base = torch.ones(B, 1, q_len, T, dtype=torch.bool).tril(T - q_len)
     base[1, :, :, :4] = False                                  # sample 1: 4 left-padding keys
+    base &= torch.rand(B, 1, q_len, T, generator=g) > 0.2      # holes that differ by row: a wrong row slice shows
+    if mask == "one row":
+        base = base[:, :, -1:]
+    elif mask is None:
+        base = None
     layer = types.SimpleNamespace(layer_idx=0, training=False)
 
     def one_mask(base):                                        # [B, q, Hq, d]: one softmax over the whole mask
@@ -231,9 +237,13 @@ def test_query_chunks_compute_the_whole_masks_attention(monkeypatch, q_len):
     monkeypatch.setattr(dt_attention, "QUERY_CHUNK", 5)
     got, _ = dt_attention.deathtime_attention(layer, q, k, v, base, kvtier_deaths=deaths)
     assert torch.allclose(got, one_mask(base), atol=1e-12)
-    assert not torch.allclose(got, one_mask(None), atol=1e-3)  # the padding mattered: it was cut per chunk, not lost
+    if base is not None:                                       # the model's mask mattered: cut per chunk, not lost
+        assert not torch.allclose(got, one_mask(None), atol=1e-3)
     assert torch.autograd.gradcheck(
         lambda q, k, v: dt_attention.deathtime_attention(layer, q, k, v, base, kvtier_deaths=deaths)[0], (q, k, v))
+    with pytest.raises(ValueError, match="query rows"):
+        dt_attention.deathtime_attention(layer, q, k, v, torch.ones(B, 1, q_len + 1, T, dtype=torch.bool),
+                                         kvtier_deaths=deaths)
 
 
 def test_flex_attention_forward_agrees_with_the_mask_path(monkeypatch):

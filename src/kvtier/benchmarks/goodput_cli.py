@@ -26,7 +26,7 @@ def trace_tokens(family: str | None) -> int:
 def register(bench_app: typer.Typer) -> None:
     @bench_app.command("goodput")
     def bench_goodput(
-        tasks: str = typer.Option("reasoner", help="reasoner (its held-out problems, both kinds in equal numbers) "
+        tasks: str = typer.Option("reasoner", help="reasoner (its held-out problems, both kinds in equal numbers, or --kinds) "
                                   "or a JSONL of {prompt, answer[, kind, id]} graded by the \\boxed{} grader."),
         family: Optional[str] = typer.Option(None, help="With --tasks reasoner: the task family, chains (default, "
                                              "the shipped reasoner's) or chains-long (2.5-4k-token traces: a "
@@ -81,8 +81,9 @@ def register(bench_app: typer.Typer) -> None:
                 if given is not None:
                     raise typer.BadParameter("chooses the reasoner's problems; --tasks is a JSONL here", param_hint=name)
         chosen_kinds = None if kinds is None else tuple(k.strip() for k in kinds.split(",") if k.strip())
-        if chosen_kinds is not None and (not chosen_kinds or set(chosen_kinds) - set(KINDS)):
-            raise typer.BadParameter(f"{kinds!r}: one or more of {', '.join(KINDS)}", param_hint="--kinds")
+        if chosen_kinds is not None and (not chosen_kinds or set(chosen_kinds) - set(KINDS)
+                                         or len(set(chosen_kinds)) < len(chosen_kinds)):
+            raise typer.BadParameter(f"{kinds!r}: one or more of {', '.join(KINDS)}, each once", param_hint="--kinds")
         max_tokens = max_tokens or (fam.max_tokens if fam else 1200)
         default = DEFAULT_CONFIG.with_name("reasoner.yaml")
         cfg, settings = engine_settings(config, None if kv_bytes == "auto" else kv_bytes, max_num_seqs, None, default=default)

@@ -82,6 +82,8 @@ def deathtime_attention(module, query: Tensor, key: Tensor, value: Tensor, atten
         return out.transpose(1, 2).contiguous(), w
     drop = dropout if module.training else 0.0
     T = key.shape[2]
+    if attention_mask is not None and attention_mask.shape[-2] not in (1, q_len):
+        raise ValueError(f"the model's mask has {attention_mask.shape[-2]} query rows; {q_len} queries")
     outs = []
     for a in range(0, q_len, QUERY_CHUNK):            # queries [a, b) see keys up to their last, T - q_len + b
         b = min(a + QUERY_CHUNK, q_len)

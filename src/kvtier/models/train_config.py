@@ -86,6 +86,7 @@ def saved_config(saved: dict) -> dict:
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine down to min_lr_ratio * lr at the last step."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
