@@ -27,14 +27,13 @@ from pydantic import ValidationError
 from vllm.exceptions import VLLMClientError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from ray.llm._internal.common.callbacks.base import CallbackBase
-from ray.llm._internal.serve.core.server.llm_server import LLMServer
-from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
+from ray.serve.llm import LLMServer
 
 from kvtier.engine import compat
 from kvtier.engine.api import WARMUP_PROMPT_TOKENS
 
 from .first_token import first_item
+from .ray_compat import CallbackBase, VLLMEngine, sanitize_chat_request
 from .usage import prompts_in, with_final_budget
 
 logger = logging.getLogger("kvtier.service")
@@ -158,13 +157,11 @@ class KVTierLLMServer(LLMServer):
             first = False
 
     async def _generate(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[str | dict[str, Any]]:
-        from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
+        from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
         try:
             if kind == "chat":
-                from ray.llm._internal.serve.core.ingress.utils import _sanitize_chat_completion_request
-
-                request = _sanitize_chat_completion_request(ChatCompletionRequest.model_validate(payload))
+                request = sanitize_chat_request(ChatCompletionRequest.model_validate(payload))
             else:
                 request = CompletionRequest.model_validate(payload)
         except (ValidationError, ValueError, TypeError, VLLMClientError) as exc:

@@ -88,16 +88,6 @@ def _ray_init(cfg: ServiceConfig, port: int) -> bool:
                 signal.signal(sig, handler)
 
 
-def _session_dir() -> str | None:
-    try:
-        from ray._private import worker
-
-        node = worker._global_node
-        return node.get_session_dir_path() if node is not None else None
-    except Exception:  # noqa: BLE001 - only used to find leftovers
-        return None
-
-
 def start(cfg: ServiceConfig, *, host: str | None = None, port: int | None = None) -> Running:
     """Start (or join) Ray, Serve's proxy and the app; return once every deployment is ready."""
     t0 = time.time()
@@ -119,7 +109,9 @@ def start(cfg: ServiceConfig, *, host: str | None = None, port: int | None = Non
                        "the engines' handles keep Serve's defaults in this process")
     _OWNED.update(ray=started_ray or _OWNED["ray"], app=cfg.server.app_name)
     if started_ray:
-        _OWNED["session_dir"] = _session_dir()
+        from .ray_compat import session_dir
+
+        _OWNED["session_dir"] = session_dir()
         if cfg.server.serving_nice:
             from .app import ROUTER_DEPLOYMENT, deployment_name
 
