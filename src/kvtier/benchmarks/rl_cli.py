@@ -40,8 +40,9 @@ def register(bench_app: typer.Typer) -> None:
                                                       "budget otherwise, chains-long 4000)."),
         rejection: Optional[str] = typer.Option(None, help="verl rollout_rs of the dense-rs arm, OPTION:THRESHOLD "
                                                 "(e.g. seq_mean_k3:0.2; the dense arm's steps report seq_k3 tails)."),
-        rollout_dtype: str = typer.Option("auto", "--rollout-dtype", help="The rollout engine's dtype: auto = float32 "
-                                          "on a CPU without AVX512-BF16/AMX, verl's bfloat16 elsewhere."),
+        rollout_dtype: str = typer.Option("auto", "--rollout-dtype", help="The rollout engine's dtype, auto | float32 | bfloat16 | "
+                                          "float16 (auto: float32 on a CPU without AVX512-BF16/AMX, verl's "
+                                          "bfloat16 elsewhere)."),
         learner_dtype: str = typer.Option("fp32", help="The actor's compute dtype (fp32; bf16, verl's default, is "
                                           "emulated on CPUs without native bf16: ~25x slower backward; "
                                           "the first run, 2026-12-02 in results/HISTORY.md, ran bf16)."),
