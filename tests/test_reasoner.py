@@ -78,6 +78,28 @@ def test_training_is_deterministic_and_a_second_phase_records_the_first(tmp_path
     assert not (tmp_path / "p2" / "ckpt.pt").exists()
 
 
+def test_an_aux_family_joins_every_step_from_its_own_stream_and_is_recorded(tmp_path):
+    """--aux-family/--aux-batch: the other family's problems (its own random stream, its held-out problems
+    excluded) join each step's gradient and TRAINING.json's command; a checkpoint from before the fields resumes."""
+    from kvtier.models.reasoner_data import held_out_keys, step_problems
+    from kvtier.models.reasoner_train import train
+    from kvtier.models.train_config import TrainConfig, saved_config
+
+    main, aux = step_problems(5, 3, 6, set()), step_problems(5, 3, 6, set(), stream="/aux")
+    assert aux == step_problems(5, 3, 6, set(), stream="/aux") and aux != main
+    assert [p.kind for p in aux] == ["local", "needle"] * 3
+    held = held_out_keys(family="chains")
+    drawn = [p for s in range(40) for p in step_problems(5, s, 8, held, "chains", "/aux")]
+    assert not {(p.kind, p.y0, p.x0, p.n) for p in drawn} & held
+    tiny = dict(steps=1, batch=1, threads=1, held_out=1, warmup=1)
+    plain = train(TrainConfig(**tiny), tmp_path / "plain", log=lambda s: None)
+    with_aux = train(TrainConfig(aux_family="chains", aux_batch=2, **tiny), tmp_path / "aux", log=lambda s: None)
+    assert with_aux["model_safetensors_sha256"] != plain["model_safetensors_sha256"]
+    assert "--aux-family chains --aux-batch 2" in with_aux["command"] and "--aux" not in plain["command"]
+    old = {k: v for k, v in with_aux["config"].items() if not k.startswith("aux_")}
+    assert saved_config(old)["aux_batch"] == 0 and saved_config(old)["aux_family"] == ""
+
+
 # ----------------------------------------------------------------------------------------------- shipped files
 @needs_model
 @pytest.mark.parametrize("name", sorted(SHIPPED_MODELS))

@@ -32,6 +32,8 @@ def test_the_long_recipe_is_one_recipe_for_both_shapes(tmp_path):
         prev = str(out)
     assert eight[-1][2].evict.startswith("random:256,512,1024") and not any(c.evict for _, _, c in eight[:-1])
     assert sum(c.steps for _, _, c in eight[:-1]) == 4500
+    # p3 trains beside the shorter family (reasoner_recipe._RETRIEVAL); the eviction phase as planned
+    assert [(c.aux_family, c.aux_batch) for _, _, c in eight] == [("", 0), ("", 0), ("chains", 8), ("", 0)]
 
 
 def test_phases_run_in_order_skip_when_done_and_a_pause_ends_the_run(tmp_path):

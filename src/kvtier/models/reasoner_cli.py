@@ -39,6 +39,10 @@ def register(model_app: typer.Typer) -> None:
                                   "reasoners'), long-2kv, long-8kv (4,096 positions; 2 or 8 KV heads per layer)."),
         init_from: str = typer.Option(d.init_from, help="Continue from this trained model directory (a second phase)."),
         short_batch: int = typer.Option(d.short_batch, help="Extra short local chains per step (12-40 lines)."),
+        aux_family: str = typer.Option(d.aux_family, help="With --aux-batch: another task family whose problems join "
+                                       "every step (e.g. chains: retrieval at its shorter distances)."),
+        aux_batch: int = typer.Option(d.aux_batch, help="Extra problems per step from --aux-family (half local, half "
+                                      "needle; its held-out problems excluded)."),
         warmup: int = typer.Option(d.warmup),
         answer_weight: float = typer.Option(d.answer_weight, help="Loss weight of the boxed answer's tokens."),
         evict: str = typer.Option(d.evict, help="Train under simulated eviction, POLICY:K[,K...][:r] (e.g. "
@@ -55,10 +59,11 @@ def register(model_app: typer.Typer) -> None:
         scratch --out (TRAINING.json's `speed`; docs/reasoner.md)."""
         one_of(attention, ATTENTION, "--attention")
         one_of(dtype, DTYPES, "--dtype")
-        try:
-            task_family(family)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--family") from None
+        for hint, name in (("--family", family), ("--aux-family", aux_family if aux_batch else family)):
+            try:
+                task_family(name)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint=hint) from None
         from .reasoner import SHAPES
 
         if shape not in SHAPES:
@@ -67,6 +72,7 @@ def register(model_app: typer.Typer) -> None:
 
         rec = train(TrainConfig(steps=steps, seed=seed, batch=batch, lr=lr, threads=threads,
                                 dtype=dtype, family=family, shape=shape, device=device, workers=workers, attention=attention, init_from=init_from, short_batch=short_batch, warmup=warmup,
+                                aux_family=aux_family, aux_batch=aux_batch,
                                 answer_weight=answer_weight, evict=evict, full_share=full_share), out,
                     log=lambda s: typer.echo(s))
         typer.echo(json.dumps({k: v for k, v in rec.items() if k != "loss_curve"}, indent=1))

@@ -45,9 +45,11 @@ def held_out_keys(count: int = 256, family: str = rt.DEFAULT_FAMILY) -> set:
     return {(p.kind, p.y0, p.x0, p.n) for k in rt.KINDS for p in fam.eval_problems(count, k)}
 
 
-def step_problems(seed: int, step: int, batch: int, exclude: set, family: str = rt.DEFAULT_FAMILY) -> list:
+def step_problems(seed: int, step: int, batch: int, exclude: set, family: str = rt.DEFAULT_FAMILY,
+                  stream: str = "") -> list:
+    """`batch` problems of `family`, kinds alternating, none in `exclude`: a function of (seed, step, stream)."""
     fam = rt.family(family)
-    rng = random.Random(f"{seed}/{step}")
+    rng = random.Random(f"{seed}/{step}{stream}")
     out = []
     while len(out) < batch:
         p = fam.sample_problem(rng, rt.KINDS[len(out) % 2])

@@ -138,6 +138,9 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     log(f"dtype {dtype} ({dtype_reason})")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
     exclude = held_out_keys(family=fam.name)
+    if cfg.aux_batch:                                 # the other family's evaluation problems stay unseen too
+        rt.family(cfg.aux_family)
+        aux_exclude = held_out_keys(family=cfg.aux_family)
     start, history, elapsed = 0, [], 0.0
     ckpt = out / "ckpt.pt"
     run_cfg = {k: v for k, v in asdict(cfg).items() if k not in RUN_ONLY}
@@ -181,6 +184,8 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         groups = [step_problems(cfg.seed, step, cfg.batch, exclude, fam.name)]
         if cfg.short_batch:
             groups.append(short_problems(cfg.seed, step, cfg.short_batch, fam.name))
+        if cfg.aux_batch:
+            groups.append(step_problems(cfg.seed, step, cfg.aux_batch, aux_exclude, cfg.aux_family, "/aux"))
         return [(g, make_batch(tok, g, tok.pad_token_id),
                  mix.assign(cfg.seed, step, str(i), len(g)) if mix else [(None, 0)] * len(g))
                 for i, g in enumerate(groups)]
@@ -246,7 +251,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
              "steps_per_second": round(len(step_seconds) / busy, 4) if busy else None,
              "seconds_per_step_median": round(sorted(step_seconds)[len(step_seconds) // 2], 3) if step_seconds else None,
              "dtype": dtype, "threads": cfg.threads, "batch": cfg.batch, "short_batch": cfg.short_batch,
-             "family": fam.name, "evict": cfg.evict, "device": here, "workers": cfg.workers}
+             "aux_batch": cfg.aux_batch, "family": fam.name, "evict": cfg.evict, "device": here, "workers": cfg.workers}
     log(f"speed: {speed['steps']} steps in {busy:.1f} s = {speed['steps_per_second']} steps/s (median "
         f"{speed['seconds_per_step_median']} s per step; {dtype}, {cfg.threads} threads, batch {cfg.batch})")
     wall = time.time() - t0
@@ -261,6 +266,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
                          + (f" --family {fam.name}" if fam.name != rt.DEFAULT_FAMILY else "")
                          + (f" --init-from {cfg.init_from} --short-batch {cfg.short_batch}" if cfg.init_from else "")
                          + (f" --answer-weight {cfg.answer_weight}" if cfg.answer_weight != 1.0 else "")
+                         + (f" --aux-family {cfg.aux_family} --aux-batch {cfg.aux_batch}" if cfg.aux_batch else "")
                          + (f" --evict {mix.describe()} --full-share {cfg.full_share}" if mix else ""),
               "config": asdict(cfg), "data_seed": cfg.seed, "steps": cfg.steps, "sequences": cfg.steps * cfg.batch,
               "parameters": n_params, "model_safetensors_sha256": sha,

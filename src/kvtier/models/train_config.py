@@ -37,6 +37,8 @@ class TrainConfig:
     init_from: str = ""            # a trained model directory to continue from (a second phase); "": random init
     short_batch: int = 0           # extra short local chains per step (SHORT_N lines): more trace starts, low counters
     answer_weight: float = 1.0     # loss weight of the boxed answer's tokens (one answer per ~1,000 trace tokens)
+    aux_family: str = ""           # with aux_batch: another task family whose problems join every step, e.g. chains
+    aux_batch: int = 0             # for retrieval at its shorter distances; half local chains, half needles
     evict: str = ""                # "POLICY:K[,K...][:r]": train under simulated eviction (train_eviction.py)
     full_share: float = 0.25       # with evict: the share of samples under full attention
     family: str = rt.DEFAULT_FAMILY  # the task family (kvtier.tasks.chains.FAMILIES)
@@ -82,6 +84,8 @@ def saved_config(saved: dict) -> dict:
         saved["dtype"] = "bfloat16" if saved.pop("bf16") else "float32"
     saved.setdefault("family", rt.DEFAULT_FAMILY)
     saved.setdefault("shape", "base")
+    saved.setdefault("aux_family", "")
+    saved.setdefault("aux_batch", 0)
     return saved
 
 
