@@ -95,6 +95,36 @@ def register(eval_app: typer.Typer) -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text + "\n")
 
+    @eval_app.command("trace-errors")
+    def eval_trace_errors(
+        model: Optional[str] = typer.Option(None, help="Model directory (default: the shipped src/kvtier/models/reasoner)."),
+        family: str = typer.Option("chains", help="Task family (chains, chains-long)."),
+        kinds: str = typer.Option("local,needle", help="Comma-separated task kinds."),
+        problems: int = typer.Option(16, help="Held-out problems per kind (gold traces, teacher forced)."),
+        bf16: bool = typer.Option(False, "--bf16", help="Under bf16 autocast (how the long recipe trains)."),
+        out: Optional[Path] = typer.Option(None, help="Write the JSON here too."),
+    ) -> None:
+        """Every teacher-forced mistake on gold held-out traces, by field (question, answer, key line, start,
+        line) with the gold token's probability (src/kvtier/evaluation/trace_errors.py)."""
+        from kvtier.models.reasoner import reasoner_dir
+        from kvtier.tasks.chains import KINDS, family as task_family
+
+        from .trace_errors import trace_errors
+
+        chosen = tuple(_csv(kinds))
+        try:
+            task_family(family)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--family") from None
+        if not chosen or set(chosen) - set(KINDS):
+            raise typer.BadParameter(f"{kinds!r}: one or more of {', '.join(KINDS)}", param_hint="--kinds")
+        res = trace_errors(model or str(reasoner_dir()), family, chosen, problems, bf16)
+        text = json.dumps(res, indent=1)
+        typer.echo(json.dumps(res["per_kind"], indent=1))
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text + "\n")
+
     @eval_app.command("probe-heads")
     def eval_probe_heads(
         model: Optional[List[str]] = typer.Option(None, help="Model directory, repeatable: models side by side "
