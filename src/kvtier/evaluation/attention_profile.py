@@ -23,6 +23,7 @@ def attention_profile(model_dir: str, problems: int = 16, buffer: int = 32, kind
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvtier.deathtime import ATTN_NAME, register
+    from kvtier.models.reasoner_data import encode_problem
     from kvtier.tasks import chains
 
     register()
@@ -34,8 +35,8 @@ def attention_profile(model_dir: str, problems: int = 16, buffer: int = 32, kind
     count = 0
     for kind in kinds:
         for p in chains.eval_problems(problems, kind):
-            prompt = tok(p.prompt)["input_ids"]
-            ids = prompt + tok(p.trace, add_special_tokens=False)["input_ids"]
+            prompt, trace = encode_problem(tok, p)
+            ids = prompt + trace[:-1]                                                        # no eos query
             n, P = len(ids), len(prompt)
             att = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions   # L x [1, Hq, n, n]
             w = torch.stack([a[0] for a in att]).double()[:, :, P:]                         # trace queries

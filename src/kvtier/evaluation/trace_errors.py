@@ -39,6 +39,7 @@ def trace_errors(model_dir: str, family: str = "chains", kinds: tuple[str, ...] 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kvtier.models.reasoner_data import encode_problem
     from kvtier.tasks import chains
 
     fam = chains.family(family)
@@ -48,8 +49,7 @@ def trace_errors(model_dir: str, family: str = "chains", kinds: tuple[str, ...] 
     for kind in kinds:
         fields, wrong = Counter(), 0
         for i, p in enumerate(fam.eval_problems(problems, kind)):
-            prompt = tok(p.prompt)["input_ids"]
-            trace = tok(p.trace, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            prompt, trace = encode_problem(tok, p)
             ids = torch.tensor([prompt + trace])
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()   # predicts each trace token

@@ -21,14 +21,20 @@ def longest_sequence(fam: rt.Family) -> int:
 SHORT_N = (12, 40)
 
 
+def encode_problem(tok, problem) -> tuple[list[int], list[int]]:
+    """(bos + prompt, gold trace + eos) token ids: the one sequence the reasoner trains and is read on."""
+    prompt = tok(problem.prompt)["input_ids"]
+    trace = tok(problem.trace, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return prompt, trace
+
+
 def make_batch(tok, problems, pad_id: int):
     """(input_ids [B, T], labels [B, T]) with labels -100 on the prompt and padding."""
     import torch
 
     rows, labs = [], []
     for p in problems:
-        prompt = tok(p.prompt)["input_ids"]                       # bos + prompt
-        trace = tok(p.trace, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        prompt, trace = encode_problem(tok, p)
         rows.append(prompt + trace)
         labs.append([-100] * len(prompt) + trace)
     T = max(map(len, rows))
