@@ -28,6 +28,13 @@ def test_checkpoint_exports_to_a_loadable_model_with_its_weights(tmp_path):
                 "window": [], "elapsed": 1.0}, tmp_path / "ckpt.pt")
     rec = export_checkpoint(tmp_path / "ckpt.pt", tmp_path / "model")
     assert rec["step"] == 61 and rec["last_held_out"]["step"] == 50
+    # a phase continued from the export nests its EXPORT.json (read before training: no crash at the end)
+    from kvtier.models.reasoner_train import previous_record
+
+    assert previous_record(tmp_path / "model") == {"exported_checkpoint": rec}
+    (tmp_path / "model" / "TRAINING.json").write_text('{"steps": 7}')
+    assert previous_record(tmp_path / "model") == {"steps": 7}
+    assert previous_record(tmp_path) == {"model_dir": str(tmp_path), "record": None}
     assert json.loads((tmp_path / "model" / "EXPORT.json").read_text())["weights_sha256"] == rec["weights_sha256"]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
     assert loaded.config.num_key_value_heads == model.config.num_key_value_heads == 8

@@ -94,6 +94,16 @@ class _StopOnSignal:
             signal.signal(sig, handler)
 
 
+def previous_record(model_dir: Path) -> dict:
+    """What a continued phase nests: the model's TRAINING.json (a finished phase, loss curve included), else its
+    EXPORT.json (a checkpoint taken mid-phase: `kvtier model export-checkpoint`), else where it came from."""
+    for name, key in (("TRAINING.json", None), ("EXPORT.json", "exported_checkpoint")):
+        if (model_dir / name).exists():
+            rec = json.loads((model_dir / name).read_text())
+            return rec if key is None else {key: rec}
+    return {"model_dir": str(model_dir), "record": None}
+
+
 def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
     """Train (or resume from out/ckpt.pt) and write the model directory; returns TRAINING.json's dict, or
     {"paused_at": step} when a SIGTERM/SIGINT paused it (out/ckpt.pt then holds the state)."""
@@ -122,6 +132,7 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
                 raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {cfg.attention!r}")
             deathtime_attention.BACKEND[torch.device(cfg.device).type] = cfg.attention
     if cfg.init_from:
+        previous = previous_record(Path(cfg.init_from))   # read now: a missing record must not end a long phase
         model = Qwen3ForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, attn_implementation=attn)
     else:
         mcfg = reasoner_config(cfg.shape)
@@ -276,8 +287,8 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
               "held_out_teacher_forced": held, "wall_seconds": round(wall, 1),
               "dtype": {"requested": cfg.dtype, "resolved": dtype, "reason": dtype_reason}, "speed": speed,
               "family": fam.name, "torch": torch.__version__, "eval_seed": rt.EVAL_SEED, "devices": devices}
-    if cfg.init_from:   # the phase this one continued (its own TRAINING.json, loss curve included)
-        record["previous_phase"] = json.loads((Path(cfg.init_from) / "TRAINING.json").read_text())
+    if cfg.init_from:
+        record["previous_phase"] = previous
     tmp = out / "TRAINING.json.tmp"                # TRAINING.json marks a finished phase: written whole or not at all
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, out / "TRAINING.json")
