@@ -1,11 +1,11 @@
 """Training recipes: the phases ``kvtier model train-recipe`` runs in order, each ``train-reasoner`` from the last.
 
 ``long`` is issue #36's one recipe for the long-chain reasoners (``long-2kv`` and ``long-8kv`` take the same
-phases, steps and seeds). It is the shipped reasoner's (docs/reasoner.md) at the same 4,500 full-attention
-steps in three phases instead of six, since the task already restates the start and the question: a first
-phase at 2e-3; then short chains (more trace starts and low counters, where the first model's errors were)
-with the boxed answer weighted 20x, at 5e-4 and then 3e-4, the last with 8 problems a step of the shorter
-`chains` family beside (_RETRIEVAL says why); then the served-eviction fine-tune (random at K =
+phases, steps and seeds). It follows the shipped reasoner's (docs/reasoner.md) in four full-attention phases
+instead of six, since the task already restates the start and the question: a first phase at 2e-3; then short
+chains (more trace starts and low counters, where the first model's errors were) with the boxed answer weighted
+20x at 5e-4; then retrieval learned on the shorter `chains` family alone, and carried to the long traces at
+3e-4 with 8 `chains` problems a step beside them (_RETRIEVAL says why); then the served-eviction fine-tune (random at K =
 256 / 512 / 1024, a quarter of samples at full attention, needle answers untrained under eviction:
 train_eviction.py). bf16 autocast (weights and optimizer fp32), the shipped reasoner's precision: a GPU and a
 CPU with AVX512-BF16/AMX compute it natively; chosen before the first step of this recipe, when an H200 was lent
@@ -30,14 +30,17 @@ class Phase:
 
 
 _LATER = {"short_batch": 16, "answer_weight": 20.0}
-# p3 adds 8 problems a step of the shipped reasoner's family (`chains`: the key ~680 tokens before the answer,
-# the question ~1,000): after long-8kv's p2 every held-out error was a retrieval, at chance, teacher forced --
-# the restated question (?x or ?k, p ~0.5; copied from the prompt 2.5-3.9k tokens back) and the needle's key
-# digits (p ~0.15; 1,600 tokens back) -- while every computed line was right; 1,000 steps at answer weight 20
-# had not moved them. The shipped reasoner learned both at its shorter distances; the matching it learns there
-# is by content, which the long traces' positions (all trained) let carry. Chosen 2026-12-05 from long-8kv's p2
-# errors (docs/reasoner.md), before any run judging eviction on the long models; both shapes train it.
-_RETRIEVAL = {"aux_family": "chains", "aux_batch": 8}
+# Retrieval, chosen 2026-12-05 from long-8kv's errors, before any run judging eviction on the long models (both
+# shapes train it; docs/reasoner.md has the runs). After p2 every held-out error was a long-range retrieval at
+# chance, teacher forced -- the restated question (?x or ?k, p ~0.5, copied from the prompt 2.5-3.9k tokens back)
+# and the needle's key digits (p ~0.1, 1,600 tokens back) -- while every computed line was right. 525 steps with
+# 8 problems a step of the shipped reasoner's shorter `chains` family beside the long ones (lr 3e-4) did not move
+# them, on either family. The `chains` family alone (batch 16, 5e-4) did: a step change after ~250 steps, then
+# 16/16 of both kinds held out. So p3 learns retrieval where the distances are short and the steps cheap (~2.5 s
+# here), and p4 carries it to the long traces (p3 forgets the long counters, which it never sees) with 8 `chains`
+# problems a step beside them so that it is kept.
+_RETRIEVAL = {"family": "chains", "batch": 16, "short_batch": 0, "answer_weight": 20.0}
+_KEEP_RETRIEVAL = {"aux_family": "chains", "aux_batch": 8}
 
 RECIPES: dict[str, dict] = {
     "long": {
@@ -46,7 +49,8 @@ RECIPES: dict[str, dict] = {
         "phases": (
             Phase("p1", {"steps": 2000}),
             Phase("p2", {"steps": 1000, "seed": 17, "lr": 5e-4, "warmup": 20, **_LATER}),
-            Phase("p3", {"steps": 1500, "seed": 18, "lr": 3e-4, "warmup": 50, **_LATER, **_RETRIEVAL}),
+            Phase("p3", {"steps": 600, "seed": 18, "lr": 5e-4, "warmup": 20, **_RETRIEVAL}),
+            Phase("p4", {"steps": 1500, "seed": 19, "lr": 3e-4, "warmup": 50, **_LATER, **_KEEP_RETRIEVAL}),
             Phase("evict", {"steps": 800, "seed": 31, "lr": 3e-4, "warmup": 50, **_LATER,
                             "evict": "random:256,512,1024:32", "full_share": 0.25}),
         ),
@@ -63,8 +67,9 @@ def phase_configs(recipe: str, shape: str, work: Path, device: str = "cpu", work
     out, prev = [], ""
     for ph in r["phases"]:
         d = Path(work) / ph.name
-        out.append((ph.name, d, TrainConfig(family=r["family"], dtype=r["dtype"], shape=shape, init_from=prev,
-                                            device=device, workers=workers, attention=attention, **ph.params)))
+        params = {"family": r["family"], "dtype": r["dtype"], **ph.params}     # a phase may train another family
+        out.append((ph.name, d, TrainConfig(shape=shape, init_from=prev, device=device, workers=workers,
+                                            attention=attention, **params)))
         prev = str(d)
     return out
 
