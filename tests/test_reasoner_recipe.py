@@ -21,7 +21,7 @@ TINY = dict(steps=2, batch=1, threads=1, held_out=1, warmup=1, dtype="float32")
 def test_the_long_recipe_is_one_recipe_for_both_shapes(tmp_path):
     two = phase_configs("long", "long-2kv", tmp_path / "a")
     eight = phase_configs("long", "long-8kv", tmp_path / "b")
-    assert [n for n, _, _ in two] == [n for n, _, _ in eight] == ["p1", "p2", "p3", "p4", "evict"]
+    assert [n for n, _, _ in two] == [n for n, _, _ in eight] == ["p1", "p2", "p3", "p3b", "p4", "evict"]
     for (_, out2, c2), (_, out8, c8) in zip(two, eight):
         strip = lambda c: {k: v for k, v in vars(c).items() if k not in ("shape", "init_from")}   # noqa: E731
         assert strip(c2) == strip(c8) and (c2.shape, c8.shape) == ("long-2kv", "long-8kv")
@@ -31,10 +31,11 @@ def test_the_long_recipe_is_one_recipe_for_both_shapes(tmp_path):
         assert cfg.dtype == "bfloat16"
         prev = str(out)
     assert eight[-1][2].evict.startswith("random:256,512,1024") and not any(c.evict for _, _, c in eight[:-1])
-    assert sum(c.steps for _, _, c in eight[:-1]) == 5100
+    assert sum(c.steps for _, _, c in eight[:-1]) == 6000
     # retrieval (reasoner_recipe._RETRIEVAL): p3 on the shorter family alone, p4 keeps it beside the long traces
-    assert [c.family for _, _, c in eight] == ["chains-long", "chains-long", "chains", "chains-long", "chains-long"]
-    assert [(c.aux_family, c.aux_batch) for _, _, c in eight] == [("", 0)] * 3 + [("chains", 8), ("", 0)]
+    assert [c.family for _, _, c in eight] == ["chains-long", "chains-long", "chains", "chains", "chains-long",
+                                              "chains-long"]
+    assert [(c.aux_family, c.aux_batch) for _, _, c in eight] == [("", 0)] * 4 + [("chains", 8), ("", 0)]
 
 
 def test_phases_run_in_order_skip_when_done_and_a_pause_ends_the_run(tmp_path):
@@ -50,14 +51,15 @@ def test_phases_run_in_order_skip_when_done_and_a_pause_ends_the_run(tmp_path):
 
     res = run_recipe("long", "long-8kv", tmp_path, log=lambda s: None, train=fake_train)
     assert res == {"done": ["p1"], "paused": "p2", "at": 7}
-    res = run_recipe("long", "long-8kv", tmp_path, through="p3", log=lambda s: None, train=fake_train)
-    assert res == {"done": ["p1", "p2", "p3"]}
+    res = run_recipe("long", "long-8kv", tmp_path, through="p3b", log=lambda s: None, train=fake_train)
+    assert res == {"done": ["p1", "p2", "p3", "p3b"]}
     # a pause asked for as a phase finished: that phase is done, no further one starts
     stop = lambda cfg, out, log: (fake_train(cfg, out, log), {"stop_requested": True})[1]   # noqa: E731
     res = run_recipe("long", "long-8kv", tmp_path, log=lambda s: None, train=stop)
-    assert res == {"done": ["p1", "p2", "p3", "p4"], "stopped_after": "p4"}
+    assert res == {"done": ["p1", "p2", "p3", "p3b", "p4"], "stopped_after": "p4"}
     calls.pop()
-    assert calls == [("p1", ""), ("p2", str(tmp_path / "p1")), ("p2", str(tmp_path / "p1")), ("p3", str(tmp_path / "p2"))]
+    assert calls == [("p1", ""), ("p2", str(tmp_path / "p1")), ("p2", str(tmp_path / "p1")), ("p3", str(tmp_path / "p2")),
+                     ("p3b", str(tmp_path / "p3"))]
     with pytest.raises(ValueError, match="not a phase"):
         run_recipe("long", "long-8kv", tmp_path, through="p9", train=fake_train)
     with pytest.raises(ValueError, match="unknown recipe"):
