@@ -9,8 +9,8 @@ argmax is not the gold one is an error, named by the line it sits in:
 * ``line``: any other computed line (its column: 0-2 the counter, 4-5 and 7-8 the two values).
 
 With each error the probability of the gold token and of the predicted one: a retrieval at chance shows as
-p ~0.5 on the question (two choices) and ~0.1 on a key digit. It is how the long recipe's retrieval phases (p3, p4) were chosen
-(reasoner_recipe._RETRIEVAL, docs/reasoner.md): a model whose computed lines are all right and whose
+p ~0.5 on the question (two choices) and ~0.1 on a key digit. It is how the long recipe's retrieval phases
+were chosen (reasoner_recipe._RETRIEVAL, docs/reasoner.md): a model whose computed lines are all right and whose
 question and key are guesses needs retrieval, not arithmetic.
 """
 

@@ -1,12 +1,12 @@
 """Training recipes: the phases ``kvtier model train-recipe`` runs in order, each ``train-reasoner`` from the last.
 
 ``long`` is issue #36's one recipe for the long-chain reasoners (``long-2kv`` and ``long-8kv`` take the same
-phases, steps and seeds). It follows the shipped reasoner's (docs/reasoner.md) in four full-attention phases
+phases, steps and seeds). It follows the shipped reasoner's (docs/reasoner.md) in five full-attention phases
 instead of six, since the task already restates the start and the question: a first phase at 2e-3; then short
 chains (more trace starts and low counters, where the first model's errors were) with the boxed answer weighted
 20x at 5e-4; then retrieval learned on the shorter `chains` family alone, and carried to the long traces at
-3e-4 with 8 `chains` problems a step beside them (_RETRIEVAL says why); then the served-eviction fine-tune (random at K =
-256 / 512 / 1024, a quarter of samples at full attention, needle answers untrained under eviction:
+3e-4 with 8 `chains` problems a step beside them (_RETRIEVAL says why); then the served-eviction fine-tune
+(random at K = 256 / 512 / 1024, a quarter of samples at full attention, needle answers untrained under eviction:
 train_eviction.py). bf16 autocast (weights and optimizer fp32), the shipped reasoner's precision: a GPU and a
 CPU with AVX512-BF16/AMX compute it natively; chosen before the first step of this recipe, when an H200 was lent
 (an earlier float32 start of long-8kv on a 2-core CPU, 1,296 steps, is superseded: docs/reasoner.md).
