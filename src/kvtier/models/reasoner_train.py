@@ -97,10 +97,10 @@ class _StopOnSignal:
 def previous_record(model_dir: Path) -> dict:
     """What a continued phase nests: the model's TRAINING.json (a finished phase, loss curve included), else its
     EXPORT.json (a checkpoint taken mid-phase: `kvtier model export-checkpoint`), else where it came from."""
-    for name, key in (("TRAINING.json", None), ("EXPORT.json", "exported_checkpoint")):
-        if (model_dir / name).exists():
-            rec = json.loads((model_dir / name).read_text())
-            return rec if key is None else {key: rec}
+    if (model_dir / "TRAINING.json").exists():
+        return json.loads((model_dir / "TRAINING.json").read_text())
+    if (model_dir / "EXPORT.json").exists():
+        return {"exported_checkpoint": json.loads((model_dir / "EXPORT.json").read_text())}
     return {"model_dir": str(model_dir), "record": None}
 
 
