@@ -23,7 +23,7 @@ for s in long-2kv long-8kv; do
      --device "$DEVICE" --workers 6 --attention mask > "$L/$s.log" 2>&1; echo "exit $?" >> "$L/$s.log") &
 done
 wait
-for m in long-8kv/evict long-2kv/evict long-8kv/p4 long-2kv/p4; do
+for m in long-8kv/evict long-2kv/evict long-8kv/p5 long-2kv/p5; do
   left=$((TOTAL_S - SECONDS - 20))
   [ -f "$WORK/$m/TRAINING.json" ] && [ $left -gt 30 ] || continue
   name=${m/\//-}
@@ -33,7 +33,7 @@ for m in long-8kv/evict long-2kv/evict long-8kv/p4 long-2kv/p4; do
 done
 for s in long-2kv long-8kv; do
   [ -d "$WORK/$s" ] && tar --exclude=ckpt.pt --exclude='*.tmp' -czf "$OUT/$s.tgz" -C "$WORK" $s
-  for p in p1 p2 p3 p3b p4 evict; do [ -f "$WORK/$s/$p/ckpt.pt" ] && cp "$WORK/$s/$p/ckpt.pt" "$OUT/$s-$p-ckpt.pt"; done
+  for p in p1 p2 p3 p3b p4 p5 evict; do [ -f "$WORK/$s/$p/ckpt.pt" ] && cp "$WORK/$s/$p/ckpt.pt" "$OUT/$s-$p-ckpt.pt"; done
 done
 tar -czf "$OUT/grid-logs.tgz" -C "$WORK" grid logs
 grep -h "speed\|paused\|stopped\|done\|Error\|exit\|training into\|resum" "$L"/*.log | cut -c1-300

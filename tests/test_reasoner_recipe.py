@@ -21,7 +21,7 @@ TINY = dict(steps=2, batch=1, threads=1, held_out=1, warmup=1, dtype="float32")
 def test_the_long_recipe_is_one_recipe_for_both_shapes(tmp_path):
     two = phase_configs("long", "long-2kv", tmp_path / "a")
     eight = phase_configs("long", "long-8kv", tmp_path / "b")
-    assert [n for n, _, _ in two] == [n for n, _, _ in eight] == ["p1", "p2", "p3", "p3b", "p4", "evict"]
+    assert [n for n, _, _ in two] == [n for n, _, _ in eight] == ["p1", "p2", "p3", "p3b", "p4", "p5", "evict"]
     for (_, out2, c2), (_, out8, c8) in zip(two, eight):
         strip = lambda c: {k: v for k, v in vars(c).items() if k not in ("shape", "init_from")}   # noqa: E731
         assert strip(c2) == strip(c8) and (c2.shape, c8.shape) == ("long-2kv", "long-8kv")
@@ -31,11 +31,13 @@ def test_the_long_recipe_is_one_recipe_for_both_shapes(tmp_path):
         assert cfg.dtype == "bfloat16"
         prev = str(out)
     assert eight[-1][2].evict.startswith("random:256,512,1024") and not any(c.evict for _, _, c in eight[:-1])
-    assert sum(c.steps for _, _, c in eight[:-1]) == 6000
-    # retrieval (reasoner_recipe._RETRIEVAL): p3 on the shorter family alone, p4 keeps it beside the long traces
+    assert sum(c.steps for _, _, c in eight[:-1]) == 7000
+    # retrieval (reasoner_recipe._RETRIEVAL): p3 on the shorter family alone, p4 keeps it beside the long traces,
+    # p5 bridges to the needle's distance with the middle family (training only); every phase ends on chains-long
     assert [c.family for _, _, c in eight] == ["chains-long", "chains-long", "chains", "chains", "chains-long",
-                                              "chains-long"]
-    assert [(c.aux_family, c.aux_batch) for _, _, c in eight] == [("", 0)] * 4 + [("chains", 8), ("", 0)]
+                                              "chains-long", "chains-long"]
+    assert [(c.aux_family, c.aux_batch) for _, _, c in eight] == [("", 0)] * 4 + [("chains", 8), ("chains-mid", 8),
+                                                                                 ("", 0)]
 
 
 def test_phases_run_in_order_skip_when_done_and_a_pause_ends_the_run(tmp_path):

@@ -102,7 +102,7 @@ def test_families_are_chosen_by_name_and_draw_their_own_problems():
     assert {(p.y0, p.x0) for p in long.eval_problems(8, "local")} != {(p.y0, p.x0) for p in rt.eval_problems(8, "local")}
     assert all(250 <= p.n <= 400 and p.key_at == long.key_at for p in long.eval_problems(16, "needle"))
     assert rt.CHAINS.max_trace_tokens == 1122 and rt.CHAINS.max_tokens == 1200   # what the CLIs' defaults say
-    with pytest.raises(ValueError, match="unknown task family 'chains-short'; known: chains, chains-long"):
+    with pytest.raises(ValueError, match="unknown task family 'chains-short'; known: chains, chains-long, chains-mid"):
         rt.family("chains-short")
     # the length is a parameter; a needle needs its key line
     short = long.problems(0, 3, "local", n_range=(170, 180))
@@ -111,6 +111,22 @@ def test_families_are_chosen_by_name_and_draw_their_own_problems():
         long.problems(0, 1, "needle", n_range=(100, 200))
     with pytest.raises(ValueError, match="three-digit"):
         long.problems(0, 1, "local", n_range=(900, 1200))
+
+
+def test_the_middle_family_puts_the_key_between_the_two_distances():
+    """chains-mid (the long recipe's p5 bridge, training only): key 1,105 tokens before the question, between
+    chains' and chains-long's, on n ranges none of the others draw, so the prompt's n says where the key goes."""
+    tok = _tokenizer()
+    mid = rt.family("chains-mid")
+    dist = [f.key_to_question_tokens for f in (rt.CHAINS, mid, rt.CHAINS_LONG)]
+    assert dist == sorted(dist) and dist[1] == 1105
+    for p in mid.problems(rt.TRAIN_SEED, 8, "needle"):
+        assert 170 <= p.n <= 245 and p.key_at == 110 and p.answer == rt.show(p.key)
+        key_line, question = p.trace.index("\nk=") + 1, p.trace.rindex("\n?k\n") + 1
+        assert _n_tokens(tok, p.trace[:question]) - _n_tokens(tok, p.trace[:key_line]) == 1105
+        assert _n_tokens(tok, p.trace) == rt.trace_tokens(p.n, 110) < mid.max_tokens
+    ranges = [f.n_range for f in (rt.CHAINS, mid, rt.CHAINS_LONG)]
+    assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def test_training_draws_the_long_family_and_excludes_its_held_out_problems():

@@ -1,11 +1,11 @@
 """Training recipes: the phases ``kvtier model train-recipe`` runs in order, each ``train-reasoner`` from the last.
 
 ``long`` is issue #36's one recipe for the long-chain reasoners (``long-2kv`` and ``long-8kv`` take the same
-phases, steps and seeds). It follows the shipped reasoner's (docs/reasoner.md) in five full-attention phases
-instead of six, since the task already restates the start and the question: a first phase at 2e-3; then short
-chains (more trace starts and low counters, where the first model's errors were) with the boxed answer weighted
-20x at 5e-4; then retrieval learned on the shorter `chains` family alone, and carried to the long traces at
-3e-4 with 8 `chains` problems a step beside them (_RETRIEVAL says why); then the served-eviction fine-tune
+phases, steps and seeds). It follows the shipped reasoner's (docs/reasoner.md) with six full-attention phases:
+a first phase at 2e-3; then short chains (more trace starts and low counters, where the first model's errors
+were) with the boxed answer weighted 20x at 5e-4; then retrieval learned on the shorter `chains` family alone, and carried to the long traces at
+3e-4 with 8 `chains` problems a step beside them (_RETRIEVAL says why), and bridged to the needle's distance
+with a middle family (_BRIDGE); then the served-eviction fine-tune
 (random at K = 256 / 512 / 1024, a quarter of samples at full attention, needle answers untrained under eviction:
 train_eviction.py). bf16 autocast (weights and optimizer fp32), the shipped reasoner's precision: a GPU and a
 CPU with AVX512-BF16/AMX compute it natively; chosen before the first step of this recipe, when an H200 was lent
@@ -43,6 +43,12 @@ _LATER = {"short_batch": 16, "answer_weight": 20.0}
 # the same stage (added before it ran).
 _RETRIEVAL = {"family": "chains", "batch": 16, "short_batch": 0, "answer_weight": 20.0}
 _KEEP_RETRIEVAL = {"aux_family": "chains", "aux_batch": 8}
+# The bridge, chosen 2026-12-05 before p4's last read (the rule: p4's held-out chains-long needles >= 0.95
+# teacher forced, or this phase). p4 carried the question's retrieval to 2.5-3.9k tokens but the needle's copy
+# of the key line's second digit, 1,605 tokens back, only left chance late (long-8kv: 18/32 held-out needles
+# right at step 1,500). The copy head works at `chains`' 675 tokens; p5 adds a rung between, `chains-mid`
+# (training only: key 1,105 tokens back), beside the long traces. The evaluated tasks are unchanged.
+_BRIDGE = {"aux_family": "chains-mid", "aux_batch": 8}
 
 RECIPES: dict[str, dict] = {
     "long": {
@@ -54,6 +60,7 @@ RECIPES: dict[str, dict] = {
             Phase("p3", {"steps": 600, "seed": 18, "lr": 5e-4, "warmup": 20, **_RETRIEVAL}),
             Phase("p3b", {"steps": 900, "seed": 20, "lr": 5e-4, "warmup": 20, **_RETRIEVAL}),
             Phase("p4", {"steps": 1500, "seed": 19, "lr": 3e-4, "warmup": 50, **_LATER, **_KEEP_RETRIEVAL}),
+            Phase("p5", {"steps": 1000, "seed": 21, "lr": 3e-4, "warmup": 50, **_LATER, **_BRIDGE}),
             Phase("evict", {"steps": 800, "seed": 31, "lr": 3e-4, "warmup": 50, **_LATER,
                             "evict": "random:256,512,1024:32", "full_share": 0.25}),
         ),

@@ -52,6 +52,8 @@ key follows, and its own random streams; the format above is every family's.
 * ``chains-long``: n in [250, 390] (2,522-3,922 trace tokens), the key after counter 160, so the key line
   sits 1,605 tokens before the restated question: at K = 512 a trace is compressed 5-8x and the needle has
   to survive ~1,600 tokens of eviction rounds. A model needs >= 4,096 positions for it.
+* ``chains-mid``: training only (the long recipe's p5, reasoner_recipe.py), n in [170, 245] with the key after
+  counter 110: the key line 1,105 tokens before the question, a rung between the two distances above.
 
 The length range is a parameter (`Family.problems(..., n_range=)`, e.g. a curriculum's shorter phase); a
 needle needs n > key_at (its key line follows counter key_at), a local chain may have any length (1-999).
@@ -185,7 +187,8 @@ EVAL_SEED = 1_000_016
 
 CHAINS = Family("chains", N_RANGE, KEY_AT, "kvtier-reasoner", max_tokens=1200)   # the shipped reasoner's
 CHAINS_LONG = Family("chains-long", (250, 390), 160, "kvtier-reasoner/chains-long", max_tokens=4000)
-FAMILIES = {f.name: f for f in (CHAINS, CHAINS_LONG)}
+CHAINS_MID = Family("chains-mid", (170, 245), 110, "kvtier-reasoner/chains-mid", max_tokens=2600)   # training only
+FAMILIES = {f.name: f for f in (CHAINS, CHAINS_LONG, CHAINS_MID)}
 DEFAULT_FAMILY = CHAINS.name
 
 
