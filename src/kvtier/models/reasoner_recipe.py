@@ -3,9 +3,9 @@
 ``long`` is issue #36's one recipe for the long-chain reasoners (``long-2kv`` and ``long-8kv`` take the same
 phases, steps and seeds). It follows the shipped reasoner's (docs/reasoner.md) with six full-attention phases:
 a first phase at 2e-3; then short chains (more trace starts and low counters, where the first model's errors
-were) with the boxed answer weighted 20x at 5e-4; then retrieval learned on the shorter `chains` family alone, and carried to the long traces at
-3e-4 with 8 `chains` problems a step beside them (_RETRIEVAL says why), and bridged to the needle's distance
-with a middle family (_BRIDGE); then the served-eviction fine-tune
+were) with the boxed answer weighted 20x at 5e-4; then retrieval learned on the shorter `chains` family alone,
+carried to the long traces at 3e-4 with 8 `chains` problems a step beside them (_RETRIEVAL says why), and
+bridged to the needle's distance with a middle family (_BRIDGE); then the served-eviction fine-tune
 (random at K = 256 / 512 / 1024, a quarter of samples at full attention, needle answers untrained under eviction:
 train_eviction.py). bf16 autocast (weights and optimizer fp32), the shipped reasoner's precision: a GPU and a
 CPU with AVX512-BF16/AMX compute it natively; chosen before the first step of this recipe, when an H200 was lent
@@ -43,8 +43,8 @@ _LATER = {"short_batch": 16, "answer_weight": 20.0}
 # the same stage (added before it ran).
 _RETRIEVAL = {"family": "chains", "batch": 16, "short_batch": 0, "answer_weight": 20.0}
 _KEEP_RETRIEVAL = {"aux_family": "chains", "aux_batch": 8}
-# The bridge, chosen 2026-12-05 before p4's last read (the rule: p4's held-out chains-long needles >= 0.95
-# teacher forced, or this phase). p4 carried the question's retrieval to 2.5-3.9k tokens but the needle's copy
+# The bridge, chosen 2026-12-05 before p4's last read (the rule: p4's held-out chains-long local and needle
+# traces both >= 0.95 teacher forced, or this phase). p4 carried the question's retrieval to 2.5-3.9k tokens but the needle's copy
 # of the key line's second digit, 1,605 tokens back, only left chance late (long-8kv: 18/32 held-out needles
 # right at step 1,500). The copy head works at `chains`' 675 tokens; p5 adds a rung between, `chains-mid`
 # (training only: key 1,105 tokens back), beside the long traces. The evaluated tasks are unchanged.
