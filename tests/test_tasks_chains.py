@@ -64,6 +64,13 @@ def _n_tokens(tok, text: str) -> int:
     return len(tok(text, add_special_tokens=False)["input_ids"])
 
 
+def _key_to_question(tok, p) -> int:
+    """Tokens from the key line's start to the restated question's, counted on the trace itself."""
+    key_line = p.trace.index("\nk=") + 1
+    question = p.trace.rindex("\n" + rt.ASK[p.kind] + "\n") + 1
+    return _n_tokens(tok, p.trace[:question]) - _n_tokens(tok, p.trace[:key_line])
+
+
 def test_long_family_traces_are_2_5k_to_4k_tokens_with_the_key_1500_before_the_question():
     tok = _tokenizer()
     fam = rt.family("chains-long")
@@ -75,11 +82,9 @@ def test_long_family_traces_are_2_5k_to_4k_tokens_with_the_key_1500_before_the_q
             lengths.append(n_tok)
             lines = p.trace.split("\n")
             assert sum(line.startswith("k=") for line in lines) == 1         # the key is written once
-            key_line = p.trace.index("\nk=") + 1
-            question = p.trace.rindex("\n" + rt.ASK[kind] + "\n") + 1       # the question, restated
-            assert p.trace[key_line:].startswith(f"k={rt.show(p.key)}\n")
+            assert p.trace[p.trace.index("\nk=") + 1:].startswith(f"k={rt.show(p.key)}\n")
             assert lines[lines.index(f"k={rt.show(p.key)}") - 1].startswith(f"{fam.key_at:03d} ")
-            distances.append(_n_tokens(tok, p.trace[:question]) - _n_tokens(tok, p.trace[:key_line]))
+            distances.append(_key_to_question(tok, p))
             if kind == "needle":
                 assert p.answer == rt.show(p.key) and p.prompt.endswith("?k\n")
     assert 2500 <= min(lengths) and max(lengths) <= 4000
@@ -122,8 +127,7 @@ def test_the_middle_family_puts_the_key_between_the_two_distances():
     assert dist == sorted(dist) and dist[1] == 1105
     for p in mid.problems(rt.TRAIN_SEED, 8, "needle"):
         assert 170 <= p.n <= 245 and p.key_at == 110 and p.answer == rt.show(p.key)
-        key_line, question = p.trace.index("\nk=") + 1, p.trace.rindex("\n?k\n") + 1
-        assert _n_tokens(tok, p.trace[:question]) - _n_tokens(tok, p.trace[:key_line]) == 1105
+        assert _key_to_question(tok, p) == 1105
         assert _n_tokens(tok, p.trace) == rt.trace_tokens(p.n, 110) < mid.max_tokens
     ranges = [f.n_range for f in (rt.CHAINS, mid, rt.CHAINS_LONG)]
     assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))
