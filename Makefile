@@ -39,7 +39,7 @@ tiny-model: setup
 test: setup system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The demo: the shipped trained reasoner (src/kvtier/configs/reasoner.yaml), whose answers are its task's
+# The demo: the shipped long-chain reasoner (src/kvtier/configs/reasoner.yaml), whose answers are its task's
 # traces. `make serve TINY=1`: the random-weight tiny model (src/kvtier/configs/local.yaml, `kvtier serve`'s
 # default, which tests and benchmarks use); `PROMETHEUS=1` also starts Debian's Prometheus on 127.0.0.1:9090.
 serve: setup $(if $(PROMETHEUS),system-deps)

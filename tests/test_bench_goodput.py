@@ -70,9 +70,11 @@ def test_bench_goodput_stock_and_two_kvtier_arms(tmp_path):
     assert json.loads(out.read_text()) == r and plot.stat().st_size > 1000
     from kvtier.service.sizing import DTYPE_BYTES, kv_bytes_per_token
 
-    # --kv-bytes auto: 4 traces of 1,024 tokens in the dtype `auto` picked (8 MiB in bf16, 16 MiB in float32)
+    # the demo config's model records its family (the long reasoner: chains-long), and --kv-bytes auto is 4
+    # traces of that family's 4,096 tokens in the dtype `auto` picked
+    assert r["tasks"] == {"problems": 4, "kinds": ["local", "needle"], "family": "chains-long"}
     per_token = kv_bytes_per_token(r["settings"]["model_path"], DTYPE_BYTES[r["settings"]["dtype"]])
-    assert r["commit"] and r["machine"]["cores"] >= 1 and r["settings"]["kv_cache_bytes"] == 4 * 1024 * per_token
+    assert r["commit"] and r["machine"]["cores"] >= 1 and r["settings"]["kv_cache_bytes"] == 4 * 4096 * per_token
     assert r["routing_rule"] == "headroom"
     arms = r["arms"]
     assert set(arms) == {"stock", "full", "k512"} and len(r["runs"]) == 1

@@ -146,9 +146,11 @@ def test_query_reading_policy_beside_random_reads_nothing_and_stays_correct(llm,
                           greedy(150, logprobs=0, budget=320, seed=6)], use_tqdm=False)
     assert [o.num_cached_tokens for o in first] == [0, 0]     # snapkv cached nothing for random to read
     assert [o.num_cached_tokens for o in again] == [0, SHARED]
-    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
-    assert _kept(audit_path, again[0]) == _kept(audit_path, first[0])
-    for out in again:
+    # No token equality between the two snapkv runs: the batch beside it differs (random's prefill is 44
+    # tokens the second time, 300 the first), so its float scores differ in the last bits and a near-tie in
+    # snapkv's ranking may keep another token (CI saw it diverge at token 45). Each run must match the masked
+    # reference under its own recorded keep-sets instead.
+    for out in first + again:
         _check_reference(replay, audit_path, out, rounds_at_least=2)
 
     other = _prompt()

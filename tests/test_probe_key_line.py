@@ -99,3 +99,19 @@ def test_probe_heads_command_as_documented(tmp_path):
                        (["--family", "nope"], "unknown task family")):
         res = CliRunner().invoke(app, ["eval", "probe-heads", "--n", "1", *args, "--out", str(tmp_path / "bad")])
         assert res.exit_code == 2 and word in res.output, res.output
+
+
+def test_side_by_side_models_are_labelled_by_their_shortest_distinct_path(tmp_path):
+    """The long recipe's models share a phase folder name (`train/long-2kv/p5`, `train/long-8kv/p5`): the probe
+    labels them by the path suffix that tells them apart, and refuses the same model given twice."""
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+    from kvtier.evaluation.reasoner_cli import model_labels
+
+    assert model_labels(["train/long-2kv/p5", "train/long-8kv/p5"]) == ["long-2kv/p5", "long-8kv/p5"]
+    assert model_labels(["a/p5", "b/p4"]) == ["p5", "p4"]
+    assert model_labels([str(REASONER_DIR)]) == ["reasoner"]
+    res = CliRunner().invoke(app, ["eval", "probe-heads", "--model", "x/p5", "--model", "./x/p5",
+                                   "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "the same model twice" in res.output, res.output

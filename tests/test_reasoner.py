@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.tasks import chains as rt
 from kvtier.evaluation.grader import grade
-from kvtier.models.reasoner import REASONER_DIR, REASONER_EVICT_DIR, VOCAB_SIZE, build_reasoner_tokenizer
+from kvtier.models.reasoner import REASONER_DIR, REASONER_EVICT_DIR, SHAPES, VOCAB_SIZE, build_reasoner_tokenizer
 from kvtier.models.reasoner import SHIPPED as SHIPPED_MODELS
 
 SHIPPED = (REASONER_DIR / "model.safetensors").exists()
@@ -112,10 +112,17 @@ def test_shipped_checkpoint(name):
     assert hashlib.sha256(data).hexdigest() == rec["model_safetensors_sha256"]
     assert len(data) <= 16 << 20
     cfg = AutoConfig.from_pretrained(path)
-    assert cfg.model_type == "qwen3" and cfg.head_dim == 64 and cfg.vocab_size == VOCAB_SIZE
+    shape = SHAPES["long-8kv" if name == "reasoner-long" else "base"]
+    assert cfg.model_type == "qwen3" and cfg.vocab_size == VOCAB_SIZE
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "max_position_embeddings")
+    assert {k: getattr(cfg, k) for k in sizes} == {k: shape[k] for k in sizes}
     if name == "reasoner-evict":   # fine-tuned from the full-attention model, under random eviction
         assert "--evict random:" in rec["command"] and rec["previous_phase"]["model_safetensors_sha256"] == \
             json.loads((REASONER_DIR / "TRAINING.json").read_text())["model_safetensors_sha256"]
+    if name == "reasoner-long":    # chains-long at full attention (p1-p5), then under random eviction
+        assert rec["family"] == "chains-long" and rec["config"]["shape"] == "long-8kv"
+        assert "--evict random:" in rec["command"] and "--evict" not in rec["previous_phase"]["command"]
     tok = AutoTokenizer.from_pretrained(path)
     p = rt.problems(1, 1, "local")[0]
     assert tok(p.prompt)["input_ids"] == build_reasoner_tokenizer()(p.prompt)["input_ids"]

@@ -50,6 +50,20 @@ def test_a_load_sweep_is_not_a_tiers_figure(tmp_path):
     (tmp_path / "goodput-load-cpu-2026-12-03.json").write_text(json.dumps({"loads": {}, "settings": {"model_id": "m"}}))
     (tmp_path / "goodput-cpu-2026-12-01.json").write_text(json.dumps(single))
     assert newest_goodput("m", tmp_path)[0].name == "goodput-cpu-2026-12-03.json"
+    # two workloads measured the same day: one of them by name, whatever order the directory lists them in
+    same_day = [tmp_path / "goodput-long-mixed-cpu-2026-12-06.json", tmp_path / "goodput-long-local-cpu-2026-12-06.json"]
+    for p in same_day:
+        p.write_text(json.dumps(single))
+
+    class Listed:   # a results folder that lists its files in a given order
+        def __init__(self, order):
+            self.order = order
+
+        def glob(self, pattern):
+            return [p for p in self.order if p.match(pattern)]
+
+    for order in (same_day, same_day[::-1]):
+        assert newest_goodput("m", Listed(order))[0].name == "goodput-long-mixed-cpu-2026-12-06.json"
 
 
 def test_the_elastic_tier_and_auto_read_the_newest_load_sweep(tmp_path):
@@ -70,4 +84,5 @@ def test_the_elastic_tier_and_auto_read_the_newest_load_sweep(tmp_path):
     assert lines["elastic"] == ("loads 1/64: 0.90/1.10x the better of stock and k256 in correct answers/s, "
                                 "preemptions 0/0 (stock 0/40); accuracy load 1: local 1.00, needle 1.00; load 64: "
                                 "local 1.00, needle 0.50 [goodput-load-cpu-2026-12-04.json, median of 3 run(s)]")
-    assert "| `elastic` | elastic, floor K=256 r=32 random | across load: loads 1/64" in markdown(cfg, tmp_path)
+    floor = next(t.floor for t in cfg.tiers if t.elastic)
+    assert f"| `elastic` | elastic, floor K={floor} r=32 random | across load: loads 1/64" in markdown(cfg, tmp_path)

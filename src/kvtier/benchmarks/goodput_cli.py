@@ -28,9 +28,10 @@ def register(bench_app: typer.Typer) -> None:
     def bench_goodput(
         tasks: str = typer.Option("reasoner", help="reasoner (its held-out problems, both kinds in equal numbers, or --kinds) "
                                   "or a JSONL of {prompt, answer[, kind, id]} graded by the \\boxed{} grader."),
-        family: Optional[str] = typer.Option(None, help="With --tasks reasoner: the task family, chains (default, "
-                                             "the shipped reasoner's) or chains-long (2.5-4k-token traces: a "
-                                             "--config whose model and max_model_len hold 4,096 tokens)."),
+        family: Optional[str] = typer.Option(None, help="With --tasks reasoner: the task family, chains or "
+                                             "chains-long (2.5-4k-token traces: a --config whose model and "
+                                             "max_model_len hold 4,096 tokens); default: the one the config's "
+                                             "model records (its TRAINING.json or EXPORT.json), else chains."),
         kinds: Optional[str] = typer.Option(None, help="With --tasks reasoner: comma-separated task kinds, local "
                                             "and/or needle (default both, in equal numbers; local alone: the "
                                             "local-chain workload)."),
@@ -57,6 +58,7 @@ def register(bench_app: typer.Typer) -> None:
         preemptions, eviction events, failed; ratios to stock)."""
         from kvtier.service.config import DEFAULT_CONFIG
 
+        from kvtier.models.reasoner import models_family
         from kvtier.tasks.chains import KINDS, family as task_family
 
         from .goodput import load_tasks, plot as draw, run_goodput
@@ -70,10 +72,12 @@ def register(bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"{concurrency!r}: one or more positive integers, e.g. 32 or 1,4,16,64",
                                      param_hint="--concurrency") from None
 
+        default = DEFAULT_CONFIG.with_name("reasoner.yaml")
+        cfg, settings = engine_settings(config, None if kv_bytes == "auto" else kv_bytes, max_num_seqs, None, default=default)
         fam = None
         if tasks == "reasoner":
             try:
-                fam = task_family(family or "chains")
+                fam = task_family(models_family(family, [settings.model_path]))
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--family") from None
         else:
@@ -85,8 +89,6 @@ def register(bench_app: typer.Typer) -> None:
                                          or len(set(chosen_kinds)) < len(chosen_kinds)):
             raise typer.BadParameter(f"{kinds!r}: one or more of {', '.join(KINDS)}, each once", param_hint="--kinds")
         max_tokens = max_tokens or (fam.max_tokens if fam else 1200)
-        default = DEFAULT_CONFIG.with_name("reasoner.yaml")
-        cfg, settings = engine_settings(config, None if kv_bytes == "auto" else kv_bytes, max_num_seqs, None, default=default)
         if kv_bytes == "auto":
             from kvtier.service.sizing import DTYPE_BYTES, kv_bytes_per_token
 
@@ -100,7 +102,8 @@ def register(bench_app: typer.Typer) -> None:
         if fam is not None and settings.max_model_len < max_tokens + 64:
             raise typer.BadParameter(f"task family {fam.name} needs max_model_len >= {max_tokens + 64} (prompt + "
                                      f"max_tokens {max_tokens}); the config's engine has {settings.max_model_len}: "
-                                     "pass --config with a model trained for it", param_hint="--family")
+                                     "raise its max_model_len, or pass --config with a model trained for it",
+                                     param_hint="--family")
         try:
             graded = load_tasks(tasks, problems, fam.name if fam else "chains", chosen_kinds)
         except (OSError, ValueError) as exc:

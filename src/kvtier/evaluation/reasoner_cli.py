@@ -8,7 +8,22 @@ from typing import List, Optional
 
 import typer
 
+from kvtier.models.reasoner import models_family
+
 from .cli_common import POLICIES_HELP, csv_list as _csv, policy_items
+
+
+def model_labels(paths: list[str]) -> list[str]:
+    """Each model's label in side-by-side results: the shortest path suffix that tells it from the others
+    (`train/long-2kv/p5`, `train/long-8kv/p5` -> `long-2kv/p5`, `long-8kv/p5`; one model: its folder name)."""
+    parts = [Path(p).resolve().parts for p in paths]
+    if len(set(parts)) < len(parts):
+        raise ValueError(f"the same model twice ({paths})")
+    for k in range(1, max(map(len, parts)) + 1):
+        labels = ["/".join(ps[-k:]) for ps in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    raise AssertionError("distinct resolved paths have distinct suffixes")
 
 
 def register(eval_app: typer.Typer) -> None:
@@ -25,9 +40,10 @@ def register(eval_app: typer.Typer) -> None:
         policies: Optional[str] = typer.Option(None, help=f"{POLICIES_HELP} Default random,snapkv,rkv,h2o,streaming."),
         budgets: Optional[str] = typer.Option(None, help="Comma-separated K (default 128,256,512)."),
         kinds: Optional[str] = typer.Option(None, help="Comma-separated task kinds (default local,needle)."),
-        family: str = typer.Option("chains", help="Task family (kvtier.tasks.chains): chains (the shipped "
-                                   "reasoner's) or chains-long (2.5-4k-token traces; needs a model with >= 4,096 "
-                                   "positions). Sets max_tokens and max_model_len."),
+        family: Optional[str] = typer.Option(None, help="Task family (kvtier.tasks.chains): chains (the shipped "
+                                             "reasoner's) or chains-long (2.5-4k-token traces; needs a model with "
+                                             ">= 4,096 positions); default: the one the model was trained on (its "
+                                             "TRAINING.json). Sets max_tokens and max_model_len."),
         buffer: int = typer.Option(32, help="r: recent buffer and round cadence."),
         temperature: float = typer.Option(0.0, help="0: greedy (the R paired seeds drive random's draws)."),
         seed: int = typer.Option(0),
@@ -42,12 +58,12 @@ def register(eval_app: typer.Typer) -> None:
         """Full, random, snapkv, rkv, h2o, streaming x K on both task kinds; prints JSON, writes report.md
         (every pairwise comparison: paired problem-clustered bootstrap CI + sign test) and the plot.
         Policies with parameters: --policies random,rkv,random_reserve:reserve=0.05,random_reserve:reserve=0.1."""
-        from kvtier.tasks.chains import family as task_family
+        from kvtier.models.reasoner import reasoner_dir
 
         from .reasoner_eval import QUICK, ReasonerEvalConfig, check_positions, markdown_table, run_reasoner_eval
 
         try:
-            task_family(family)
+            family = models_family(family, [model or str(reasoner_dir())])
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--family") from None
         kw = dict(QUICK) if quick else {}
@@ -98,7 +114,7 @@ def register(eval_app: typer.Typer) -> None:
     @eval_app.command("trace-errors")
     def eval_trace_errors(
         model: Optional[str] = typer.Option(None, help="Model directory (default: the shipped src/kvtier/models/reasoner)."),
-        family: str = typer.Option("chains", help="Task family (chains, chains-long)."),
+        family: Optional[str] = typer.Option(None, help="Task family (chains, chains-long; default: the one the model was trained on (its TRAINING.json))."),
         kinds: str = typer.Option("local,needle", help="Comma-separated task kinds."),
         problems: int = typer.Option(16, help="Held-out problems per kind (gold traces, teacher forced)."),
         bf16: bool = typer.Option(False, "--bf16", help="Under bf16 autocast (how the long recipe trains)."),
@@ -107,13 +123,13 @@ def register(eval_app: typer.Typer) -> None:
         """Every teacher-forced mistake on gold held-out traces, by field (question, answer, key line, start,
         line) with the gold token's probability (src/kvtier/evaluation/trace_errors.py)."""
         from kvtier.models.reasoner import reasoner_dir
-        from kvtier.tasks.chains import KINDS, family as task_family
+        from kvtier.tasks.chains import KINDS
 
         from .trace_errors import trace_errors
 
         chosen = tuple(_csv(kinds))
         try:
-            task_family(family)
+            family = models_family(family, [model or str(reasoner_dir())])
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--family") from None
         if not chosen or set(chosen) - set(KINDS):
@@ -129,7 +145,8 @@ def register(eval_app: typer.Typer) -> None:
     def eval_probe_heads(
         model: Optional[List[str]] = typer.Option(None, help="Model directory, repeatable: models side by side "
                                                   "(default: the shipped src/kvtier/models/reasoner)."),
-        family: str = typer.Option("chains", help="Task family of the needles (chains, chains-long)."),
+        family: Optional[str] = typer.Option(None, help="Task family of the needles (chains, chains-long; "
+                                             "default: the one the models were trained on)."),
         n: int = typer.Option(32, help="Held-out needle problems."),
         budget: int = typer.Option(512, help="K of the random eviction around the key line."),
         buffer: int = typer.Option(32, help="r: recent buffer and round cadence."),
@@ -146,31 +163,34 @@ def register(eval_app: typer.Typer) -> None:
 
         from kvtier.deathtime import ATTN_NAME, register
         from kvtier.models.reasoner import reasoner_dir
-        from kvtier.tasks.chains import family as task_family
 
         from .probes.key_line import format_key_line, run_key_line_probe
         from .reasoner_plot import plot_key_line
 
+        paths = model or [str(reasoner_dir())]
         try:
-            task_family(family)
+            family = models_family(family, paths)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--family") from None
+        try:
             counts = [int(h) for h in _csv(heads)] if heads else None
         except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
+            raise typer.BadParameter(str(exc), param_hint="--heads") from None
         torch.set_num_threads(threads)
         register()
-        paths = model or [str(reasoner_dir())]
-        if len({Path(p).name for p in paths}) < len(paths):
-            raise typer.BadParameter(f"two models share a folder name ({paths}): results are labelled by it",
-                                     param_hint="--model")
+        try:
+            labels = model_labels(paths)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--model") from None
         results = {}
-        for path in paths:
+        for label, path in zip(labels, paths):
             lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTN_NAME).eval()
             try:
                 res = run_key_line_probe(lm, AutoTokenizer.from_pretrained(path), family=family, heads=counts, n=n,
                                          budget=budget, buffer=buffer, seed=seed, log=typer.echo)
             except ValueError as exc:                   # names the setting: heads out of range, or the budget
                 raise typer.BadParameter(str(exc)) from None
-            results[Path(path).name] = {**res, "model": path}
+            results[label] = {**res, "model": path}
         out.mkdir(parents=True, exist_ok=True)
         (out / "key_line.json").write_text(json.dumps({"results": results}, indent=1) + "\n")
         table = "\n".join(f"{name}: {format_key_line(res)}" for name, res in results.items())

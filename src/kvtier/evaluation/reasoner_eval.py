@@ -1,8 +1,8 @@
 """`kvtier eval reasoner`: accuracy of the shipped reasoner under eviction, on the vLLM CPU engine.
 
 Grid: full attention plus ``policies`` x ``budgets``, on held-out problems of both kinds of one task
-family (kvtier.tasks.chains: ``chains``, the shipped reasoner's, by default; ``chains-long`` needs a model
-with >= 4,096 positions), ``runs`` paired seeds per problem (one sampling + eviction seed per
+family (kvtier.tasks.chains: ``chains``, the shipped reasoner's, or ``chains-long``, which needs a model
+with >= 4,096 positions; the CLI defaults to the family the model records, kvtier.models.reasoner.models_family), ``runs`` paired seeds per problem (one sampling + eviction seed per
 (problem, run), shared by every cell: runner.request_seed; decoding is greedy by default, so the seeds
 drive random's eviction draws). Generation, grading by ``\\boxed{}`` and the
 per-instance records are the eval runner's (runner._run_vllm / _record); the statistics are report.py's

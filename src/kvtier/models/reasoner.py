@@ -14,15 +14,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["REASONER_DIR", "REASONER_EVICT_DIR", "REASONER_CONFIG", "SHAPES", "SHIPPED", "VOCAB_SIZE",
-           "build_reasoner_tokenizer", "reasoner_config", "reasoner_dir"]
+__all__ = ["REASONER_DIR", "REASONER_EVICT_DIR", "REASONER_LONG_DIR", "REASONER_CONFIG", "SHAPES", "SHIPPED", "VOCAB_SIZE",
+           "build_reasoner_tokenizer", "models_family", "reasoner_config", "reasoner_dir",
+           "recorded_family", "trained_family"]
 
 REASONER_DIR = Path(__file__).resolve().parent / "reasoner"
 # The same model fine-tuned under the random eviction it is served with (issue #23; its TRAINING.json
-# nests the full-attention phases it started from): `make serve`'s demo model.
+# nests the full-attention phases it started from): `make serve`'s demo model until 2026-12-06.
 REASONER_EVICT_DIR = Path(__file__).resolve().parent / "reasoner_evict"
+# The long-chain reasoner (issue #36): shape long-8kv (8 KV heads of 32, 4,096 positions) trained on
+# chains-long at full attention (p1-p5), then under random eviction (train/long-8kv/evict; its TRAINING.json
+# nests the phases before it): `make serve`'s demo model (docs/reasoner.md says why this one).
+REASONER_LONG_DIR = Path(__file__).resolve().parent / "reasoner_long"
 # The names a service config's `engines.<name>.model` may give for a shipped checkpoint.
-SHIPPED = {"reasoner": REASONER_DIR, "reasoner-evict": REASONER_EVICT_DIR}
+SHIPPED = {"reasoner": REASONER_DIR, "reasoner-evict": REASONER_EVICT_DIR, "reasoner-long": REASONER_LONG_DIR}
 
 BOS = "<|endoftext|>"
 EOS = "<|im_end|>"
@@ -65,6 +70,49 @@ SHAPES = {
 def reasoner_dir() -> Path:
     """The shipped checkpoint directory (in the repository)."""
     return REASONER_DIR
+
+
+def recorded_family(model_dir) -> str | None:
+    """The task family (kvtier.tasks.chains) a reasoner directory records it was trained on: TRAINING.json's
+    ``family`` (a finished training), else EXPORT.json's ``config.family`` (``kvtier model export-checkpoint``);
+    None where neither records one (not a reasoner of ours, or one that predates the field)."""
+    import json
+
+    d = Path(model_dir)
+    for name, get in (("TRAINING.json", lambda r: r.get("family")),
+                      ("EXPORT.json", lambda r: (r.get("config") or {}).get("family"))):
+        try:
+            found = get(json.loads((d / name).read_text()))
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(found, str) and found:
+            return found
+    return None
+
+
+def trained_family(model_dir) -> str:
+    """The family the commands that grade a reasoner's task default to: the recorded one, else ``chains``
+    (the shipped ``reasoner`` and ``reasoner-evict`` predate the field)."""
+    return recorded_family(model_dir) or "chains"
+
+
+def models_family(family: str | None, paths) -> str:
+    """The task family the commands that grade reasoners use: ``family`` (--family) checked, else the one the
+    models at ``paths`` were trained on (trained_family). ValueError naming --family where the models differ
+    or record a family this version does not know."""
+    from kvtier.tasks.chains import family as task_family
+
+    if family is not None:
+        return task_family(family).name
+    found = {str(p): trained_family(p) for p in paths}
+    if len(set(found.values())) > 1:
+        raise ValueError(f"the models were trained on different task families ({found}): pass --family")
+    (path, name), *_ = found.items()
+    try:
+        return task_family(name).name
+    except ValueError as exc:
+        raise ValueError(f"{path} records training on {name!r}, a family this version does not know ({exc}): "
+                         "pass --family") from None
 
 
 def build_reasoner_tokenizer():

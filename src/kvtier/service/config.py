@@ -15,12 +15,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvtier.engine.config import ELASTIC, FULL, EngineEvictionConfig, EvictionSettings, EvictionSpec
+from kvtier.models.reasoner import SHIPPED
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 TINY_MODEL = "tiny"  # engines.<name>.model: build/use the deterministic tiny Qwen3 (kvtier.models.tiny)
-# engines.<name>.model: a shipped reasoner checkpoint (kvtier.models.reasoner.SHIPPED): the full-attention-trained
-# one and the one fine-tuned under the eviction it is served with
-REASONER_MODELS = ("reasoner", "reasoner-evict")
+# engines.<name>.model: a shipped reasoner checkpoint's name (kvtier.models.reasoner.SHIPPED)
+REASONER_MODELS = tuple(SHIPPED)
 
 
 class ConfigError(ValueError):

@@ -15,30 +15,40 @@ from typing import Optional
 import typer
 
 
-def example_request(url: str, model: str, api_key: str | None = None, task_prompt: str | None = None) -> str:
+def example_request(url: str, model: str, api_key: str | None = None, task_prompt: str | None = None,
+                    max_tokens: int = 1200) -> str:
     """A curl line for the first model: a chat request, or with task_prompt (a model trained on one task
-    without a chat template: the shipped reasoner) a greedy completion of that prompt."""
+    without a chat template: the shipped reasoner) a greedy completion of that prompt in max_tokens."""
     if task_prompt is None:
         route = "chat/completions"
         body = {"model": model, "messages": [{"role": "user", "content": "Think step by step: what is 6 x 7?"}],
                 "max_tokens": 32}
     else:
         route = "completions"
-        body = {"model": model, "prompt": task_prompt, "max_tokens": 1200, "temperature": 0}
+        body = {"model": model, "prompt": task_prompt, "max_tokens": max_tokens, "temperature": 0}
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     return (f"curl -s -i {url}/v1/{route} -H 'Content-Type: application/json'{auth} "
             f"-d {shlex.quote(json.dumps(body))}")
 
 
-def _task_prompt(cfg, model_id: str) -> str | None:
-    """A held-out problem's prompt when the engine serving `model_id` runs the shipped reasoner."""
+def task_example(cfg, model_id: str) -> tuple[str, int] | None:
+    """(a held-out local problem's prompt, its family's max_tokens) when the engine serving `model_id` runs
+    a reasoner: a shipped one, or a directory that records the task family it was trained on (a training's
+    TRAINING.json or an exported checkpoint's EXPORT.json); that family's (chains, or chains-long)."""
+    from kvtier.models.reasoner import recorded_family, trained_family
+    from kvtier.tasks.chains import FAMILIES
+
+    from .app import resolve_model_path
     from .config import REASONER_MODELS
 
-    if not any(cfg.model_id(n) == model_id and e.model in REASONER_MODELS for n, e in cfg.engines.items()):
+    model = next((e.model for n, e in cfg.engines.items() if cfg.model_id(n) == model_id), None)
+    if model is None:
         return None
-    from kvtier.tasks.chains import eval_problems
-
-    return eval_problems(1, "local")[0].prompt
+    path = resolve_model_path(model)
+    fam = FAMILIES.get(trained_family(path) if model in REASONER_MODELS else recorded_family(path))
+    if fam is None:
+        return None
+    return fam.eval_problems(1, "local")[0].prompt, fam.max_tokens
 
 
 def example_tier(cfg, model_id: str, prompt: str | None, max_tokens: int) -> str:
@@ -170,10 +180,10 @@ def serve_command(
         if not cfg.open_mode:
             key = "$KVTIER_API_KEY"
         model_id = cfg.model_ids[0]
-        prompt = _task_prompt(cfg, model_id)
-        typer.echo(f"Example request (routed to {example_tier(cfg, model_id, prompt, 1200)}; add "
+        prompt, max_tokens = task_example(cfg, model_id) or (None, 1200)
+        typer.echo(f"Example request (routed to {example_tier(cfg, model_id, prompt, max_tokens)}; add "
                    f"-H '{cfg.routing.tier_header}: full' for full attention):\n  "
-                   + example_request(running.url, model_id, key, prompt))
+                   + example_request(running.url, model_id, key, prompt, max_tokens))
         if cfg.server.metrics_export_port:
             typer.echo(f"kvtier serve: Ray metrics at http://127.0.0.1:{cfg.server.metrics_export_port}/metrics")
         if prometheus:
