@@ -13,7 +13,7 @@ from kvtier.benchmarks.goodput import load_tasks, main_arm, summarize_arm
 def _raw(arm, correct, lengths, kinds=None, seconds=10.0):
     kinds = kinds or ["local", "needle"] * (len(correct) // 2)
     return {"arm": arm, "duration_s": seconds, "tok_per_s": sum(lengths) / seconds, "failed": 0,
-            "ttft_ms": 50.0, "ttft_p99_ms": 90.0, "e2el_ms": 900.0, "e2el_p99_ms": 1500.0,
+            "ttft_ms": 50.0, "ttft_p50_ms": 45.0, "ttft_p99_ms": 90.0, "e2el_ms": 900.0, "e2el_p99_ms": 1500.0,
             "preemptions": 0.0, "eviction_events": 4.0,
             "per_problem": [{"pid": f"p{i}", "kind": k, "correct": c, "output_tokens": n, "failed": False}
                             for i, (c, n, k) in enumerate(zip(correct, lengths, kinds))]}
@@ -75,20 +75,25 @@ def test_bench_goodput_stock_and_two_kvtier_arms(tmp_path):
     assert r["tasks"] == {"problems": 4, "kinds": ["local", "needle"], "family": "chains-long"}
     per_token = kv_bytes_per_token(r["settings"]["model_path"], DTYPE_BYTES[r["settings"]["dtype"]])
     assert r["commit"] and r["machine"]["cores"] >= 1 and r["settings"]["kv_cache_bytes"] == 4 * 4096 * per_token
-    assert r["routing_rule"] == "headroom"
+    assert r["routing_rule"] == "headroom" and r["settings"]["client_nice"] is None
     arms = r["arms"]
     assert set(arms) == {"stock", "full", "k512"} and len(r["runs"]) == 1
     for name, a in arms.items():
         assert a["problems"] == 4 and a["failed"] == 0, (name, a)           # every answer came back and was graded
         assert set(a["accuracy"]) == {"local", "needle"}
         assert a["length_ratio_to_full"] > 0 and a["mean_output_tokens"] > 100 and a["correct_per_s"] >= 0
-        assert a["ttft_ms"] > 0 and a["e2el_p99_ms"] >= a["e2el_ms"] * 0.5
+        assert 0 < a["ttft_p50_ms"] <= a["ttft_p99_ms"] and a["ttft_ms"] > 0 and a["e2el_p99_ms"] >= a["e2el_ms"] * 0.5
     assert min(arms["full"]["accuracy"].values()) >= 0.9 and arms["full"]["correct_per_s"] > 0
     assert arms["stock"]["correct_per_s"] > 0 and arms["stock"]["correct_per_s_ratio_to_stock"] == 1.0
     assert arms["full"]["eviction_events"] == 0 and arms["k512"]["eviction_events"] > 0
     # every answer's final budget, from its usage.kvtier: full attention, or the fixed tier's K
     assert arms["full"]["final_budgets"] == {"full": 4} and arms["k512"]["final_budgets"] == {"512": 4}
     assert arms["stock"]["final_budgets"] is None
+    # a kvtier arm's time to first token by the router's segments (stock has no router)
+    assert "ttft_breakdown_ms" not in arms["stock"]
+    assert all(arms[a]["ttft_breakdown_ms"]["engine"]["mean_ms"] > 0 for a in ("full", "k512")), arms
+    # the client's own stalls, every arm (a client not scheduled inflates its TTFT: client_clock.py)
+    assert all(set(a["client_stalls"]) == {"stalls", "max_ms", "total_ms", "descheduled_ms"} for a in arms.values())
     # the machine's speed just before and after each arm (a drift between arms shows in the JSON)
     assert all(len(a["speed_probe_ms"]) == 2 and min(a["speed_probe_ms"]) > 0 for a in arms.values()), arms
 
@@ -100,7 +105,7 @@ def test_load_sweep_runs_every_arm_at_every_load_and_plots(tmp_path, monkeypatch
 
     calls = []
 
-    def fake(settings, config, tasks, arms, runs, workdir, concurrency, max_tokens, seed, log, family):
+    def fake(settings, config, tasks, arms, runs, workdir, concurrency, max_tokens, seed, log, family, client_nice):
         calls.append(concurrency)
         arm = lambda c: {"accuracy": {"local": 1.0, "needle": 0.5}, "correct_per_s": 0.1 * c, "preemptions": 0,  # noqa: E731
                          "tightenings": c, "ci": {"local": {"accuracy": [1.0, 1.0]}, "needle": {"accuracy": [0.3, 0.7]}}}

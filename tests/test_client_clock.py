@@ -84,12 +84,13 @@ def test_client_priority_refuses_values_that_would_not_be_restorable_or_are_inva
             pass
 
 
-def test_bench_serve_refuses_a_bad_client_nice_before_any_server_starts(tmp_path):
+@pytest.mark.parametrize("argv", [["serve", "--arms", "stock", "--workloads", "idle"],
+                                  ["goodput", "--arms", "stock", "--problems", "1"]])
+def test_bench_refuses_a_bad_client_nice_before_any_server_starts(tmp_path, argv):
     from typer.testing import CliRunner
 
     from kvtier.cli import app
 
-    r = CliRunner().invoke(app, ["bench", "serve", "--arms", "stock", "--workloads", "idle", "--client-nice", "5",
-                                 "--workdir", str(tmp_path / "work")])
+    r = CliRunner().invoke(app, ["bench", *argv, "--client-nice", "5", "--workdir", str(tmp_path / "work")])
     assert r.exit_code == 2 and "--client-nice" in r.output, r.output
     assert not (tmp_path / "work").exists()

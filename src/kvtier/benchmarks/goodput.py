@@ -25,13 +25,15 @@ import argparse
 import contextlib
 import io
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .client_clock import StallWatch, client_priority
 from .environment import speed_probe_ms
-from .serve import counters, kvtier_config, kvtier_stats
+from .serve import counters, kvtier_config, kvtier_stats, ttft_breakdown
 from .servers import EngineSettings, ServerProcess, start_kvtier, start_stock, stop_servers_on_signals
 
 
@@ -88,7 +90,7 @@ def bench_args(settings: EngineSettings, server: ServerProcess, dataset: Path, n
 
 
 def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: list[GradedTask], dataset: Path,
-            concurrency: int, max_tokens: int, seed: int) -> dict:
+            concurrency: int, max_tokens: int, seed: int, client_nice: int | None = None) -> dict:
     """One benchmark of `arm` on `server`: graded per problem, plus the run's counters."""
     from vllm.benchmarks.serve import main as vllm_bench
 
@@ -98,18 +100,24 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
     kind = "stock" if arm == "stock" else "kvtier"
     before, (tight0, ends0) = counters(kind, server), elastic_counts(kind, server)
     probe0 = speed_probe_ms()
-    with contextlib.redirect_stdout(io.StringIO()):
+    since = time.time()
+    # the client's own stalls (client_clock.py): a uniform wait for every request's first token is the
+    # load generator not running, not the server
+    with contextlib.redirect_stdout(io.StringIO()), client_priority(client_nice), StallWatch() as watch:
         r = vllm_bench(bench_args(settings, server, dataset, len(tasks), concurrency, max_tokens, headers, seed))
     probe1 = speed_probe_ms()
     after, (tight1, ends1) = counters(kind, server), elastic_counts(kind, server)
+    # where a kvtier arm's time to first token went: the router's segments (first_token.py)
+    breakdown = {} if kind == "stock" else ttft_breakdown(server, since, float(r["mean_ttft_ms"]))
     errors = list(r.get("errors") or [""] * len(tasks))
     per = []
     for t, text, n_out, err in zip(tasks, r["generated_texts"], r["output_lens"], errors):
         ok = not err
         per.append({"pid": t.pid, "kind": t.kind, "correct": bool(ok and grade(text or "", t.answer).correct),
                     "output_tokens": int(n_out), "failed": not ok})
-    return {"arm": arm, "duration_s": float(r["duration"]), "per_problem": per,
-            "ttft_ms": float(r["mean_ttft_ms"]), "ttft_p99_ms": float(r["p99_ttft_ms"]),
+    return {**breakdown, "client_stalls": watch.summary(), "arm": arm, "duration_s": float(r["duration"]), "per_problem": per,
+            "ttft_ms": float(r["mean_ttft_ms"]), "ttft_p50_ms": float(r["median_ttft_ms"]),
+            "ttft_p99_ms": float(r["p99_ttft_ms"]),
             "e2el_ms": float(r["mean_e2el_ms"]), "e2el_p99_ms": float(r["p99_e2el_ms"]),
             "tok_per_s": float(r["output_throughput"]), "failed": int(r["failed"]),
             "preemptions": None if after[0] is None else after[0] - (before[0] or 0.0),
@@ -160,11 +168,13 @@ def summarize_arm(raw: dict, full: dict | None) -> dict:
            "tok_per_s": round(raw["tok_per_s"], 1), "seconds": round(raw["duration_s"], 1),
            "mean_output_tokens": round(float(np.mean(lengths)), 1),
            "p99_output_tokens": float(np.percentile(lengths, 99)),
-           "ttft_ms": round(raw["ttft_ms"], 1), "ttft_p99_ms": round(raw["ttft_p99_ms"], 1),
+           "ttft_ms": round(raw["ttft_ms"], 1), "ttft_p50_ms": round(raw["ttft_p50_ms"], 1),
+           "ttft_p99_ms": round(raw["ttft_p99_ms"], 1),
            "e2el_ms": round(raw["e2el_ms"], 1), "e2el_p99_ms": round(raw["e2el_p99_ms"], 1),
            "preemptions": raw["preemptions"], "eviction_events": raw["eviction_events"],
            "tightenings": raw.get("tightenings"), "final_budgets": raw.get("final_budgets"), "failed": raw["failed"],
-           "speed_probe_ms": raw.get("speed_probe_ms")}
+           "speed_probe_ms": raw.get("speed_probe_ms"),
+           **{k: raw[k] for k in ("ttft_breakdown_ms", "client_stalls") if raw.get(k)}}
     if full is not None:
         theirs = {p["pid"]: p["output_tokens"] for p in full["per_problem"]}
         shared = [p for p in per if p["pid"] in theirs]
@@ -174,7 +184,7 @@ def summarize_arm(raw: dict, full: dict | None) -> dict:
 
 
 def one_run(arms: list[str], settings: EngineSettings, config: dict, tasks: list[GradedTask], workdir: Path,
-            concurrency: int, max_tokens: int, seed: int, log) -> dict:
+            concurrency: int, max_tokens: int, seed: int, log, client_nice: int | None = None) -> dict:
     """Every arm once: stock on its own server, every kvtier arm on one `kvtier serve`."""
     dataset = workdir / "goodput-prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": t.prompt}) + "\n" for t in tasks))
@@ -188,7 +198,7 @@ def one_run(arms: list[str], settings: EngineSettings, config: dict, tasks: list
         try:
             log(f"{kind}: ready after {server.wait_ready(settings.model_id, prompt=tasks[0].prompt):.0f} s")
             for arm in served:
-                raw[arm] = run_arm(arm, server, settings, tasks, dataset, concurrency, max_tokens, seed)
+                raw[arm] = run_arm(arm, server, settings, tasks, dataset, concurrency, max_tokens, seed, client_nice)
                 ok = sum(p["correct"] for p in raw[arm]["per_problem"])
                 log(f"{arm:>8}: {ok}/{len(tasks)} correct in {raw[arm]['duration_s']:.0f} s "
                     f"({ok / raw[arm]['duration_s']:.3f}/s), {raw[arm]['tok_per_s']:.0f} tok/s, "
@@ -224,8 +234,9 @@ def median_of(per_run: list[dict], arms: list[str]) -> dict:
 
 def run_goodput(settings: EngineSettings, config: dict, tasks: list[GradedTask], arms: list[str], runs: int,
                 workdir: Path, concurrency: int, max_tokens: int, seed: int = 0, log=print,
-                family: str | None = None) -> dict:
-    """Every arm `runs` times; `family`: the task family the reasoner's problems came from (recorded)."""
+                family: str | None = None, client_nice: int | None = None) -> dict:
+    """Every arm `runs` times; `family`: the task family the reasoner's problems came from (recorded);
+    `client_nice`: the benchmark client's priority while it measures (client_clock.py; recorded)."""
     from .environment import machine_and_commit
 
     where = machine_and_commit()          # at the start: the code that runs, not what is checked out at the end
@@ -234,8 +245,9 @@ def run_goodput(settings: EngineSettings, config: dict, tasks: list[GradedTask],
     with stop_servers_on_signals():
         for i in range(runs):
             log(f"run {i + 1}/{runs}")
-            per_run.append(one_run(arms, settings, config, tasks, workdir, concurrency, max_tokens, seed, log))
-    return {**median_of(per_run, arms), "settings": asdict(settings), "tasks": {"problems": len(tasks), "kinds": sorted({t.kind for t in tasks}),
+            per_run.append(one_run(arms, settings, config, tasks, workdir, concurrency, max_tokens, seed, log,
+                                   client_nice))
+    return {**median_of(per_run, arms), "settings": {**asdict(settings), "client_nice": client_nice}, "tasks": {"problems": len(tasks), "kinds": sorted({t.kind for t in tasks}),
                                                 **({"family": family} if family else {})},
             "concurrency": concurrency, "max_tokens": max_tokens,
             "routing_rule": config.get("routing", {}).get("rule"), **where}

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .serve_cli import emit, engine_settings
+from .serve_cli import CLIENT_NICE_HELP, check_client_nice, emit, engine_settings
 
 # The demo config (the shipped reasoner and its tiers). `auto`: a pool of POOL_TRACES full traces of the
 # family's TRACE_TOKENS in the engine's dtype (chains: 8 MiB in bfloat16 at 2 KiB per token, 16 MiB in
@@ -49,6 +49,7 @@ def register(bench_app: typer.Typer) -> None:
                                                  "a JSONL 1200)."),
         runs: int = typer.Option(1, help="Repeat every arm (ratios per run; the top-level arms are the median run)."),
         seed: int = typer.Option(0),
+        client_nice: Optional[int] = typer.Option(None, "--client-nice", help=CLIENT_NICE_HELP),
         out: Optional[Path] = typer.Option(None, help="Write the JSON here too."),
         plot: Optional[Path] = typer.Option(None, help="Write the accuracy vs correct-answers-per-second PNG here."),
         workdir: Path = typer.Option(Path("artifacts/bench-goodput"), help="Server logs, configs, the prompt file."),
@@ -108,14 +109,16 @@ def register(bench_app: typer.Typer) -> None:
             graded = load_tasks(tasks, problems, fam.name if fam else "chains", chosen_kinds)
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--tasks") from None
+        check_client_nice(client_nice)
         log = lambda m: typer.echo(m, err=True)  # noqa: E731
         if len(loads) > 1:
             result = run_goodput_loads(settings, cfg.model_dump(mode="json"), graded, chosen, runs, workdir, loads,
-                                       max_tokens, seed, log=log, family=fam.name if fam else None)
+                                       max_tokens, seed, log=log, family=fam.name if fam else None,
+                                       client_nice=client_nice)
             emit(result, out, plot, plot_loads)
             return
         result = run_goodput(settings, cfg.model_dump(mode="json"), graded, chosen, runs, workdir, loads[0],
-                             max_tokens, seed, log=log, family=fam.name if fam else None)
+                             max_tokens, seed, log=log, family=fam.name if fam else None, client_nice=client_nice)
         emit(result, out, plot, draw)
 
     @bench_app.command("goodput-merge")

@@ -15,13 +15,14 @@ PER_LOAD_DROP = ("machine", "commit", "settings", "tasks", "max_tokens", "routin
 
 
 def run_goodput_loads(settings, config: dict, tasks, arms: list[str], runs: int, workdir: Path, loads: list[int],
-                      max_tokens: int, seed: int = 0, log=print, family: str | None = None) -> dict:
+                      max_tokens: int, seed: int = 0, log=print, family: str | None = None,
+                      client_nice: int | None = None) -> dict:
     """{"loads": {"<concurrency>": {"arms": {...}, "runs": [...], ...}}, settings, tasks, machine, commit}."""
     out: dict = {"loads": {}}
     for load in loads:
         log(f"load {load}: {len(tasks)} problems at concurrency {load}")
         res = run_goodput(settings, config, tasks, arms, runs, workdir / f"c{load}", load, max_tokens, seed, log,
-                          family)
+                          family, client_nice)
         for key in PER_LOAD_DROP:
             if key in res and key not in out:
                 out[key] = res[key]

@@ -56,6 +56,24 @@ def emit(result: dict, out: Optional[Path], plot: Optional[Path], draw) -> None:
         draw(result, plot)
 
 
+CLIENT_NICE_HELP = ("The benchmark client's CPU priority against the servers it measures (-20..0; negative needs "
+                    "root), every arm alike: on a small box the client shares the cores (docs/serving.md). "
+                    "Default: left as it is.")
+
+
+def check_client_nice(client_nice: Optional[int]) -> None:
+    """--client-nice: refused here, before any server starts, if it cannot be applied."""
+    if client_nice is None:
+        return
+    from kvtier.benchmarks.client_clock import client_priority
+
+    try:
+        with client_priority(client_nice) as how:
+            typer.echo(f"benchmark client while it measures: {how}", err=True)
+    except (ValueError, PermissionError) as e:
+        raise typer.BadParameter(str(e), param_hint="--client-nice") from None
+
+
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @bench_app.command("serve")
     def bench_serve(
@@ -78,10 +96,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         out: Optional[Path] = typer.Option(None, help="Write the JSON here too."),
         plot: Optional[Path] = typer.Option(None, help="Write a PNG bar chart here."),
         workdir: Path = typer.Option(Path("artifacts/bench-serve"), help="Server logs and configs."),
-        client_nice: Optional[int] = typer.Option(None, "--client-nice", help="The benchmark client's CPU priority "
-                                                  "against the servers it measures (-20..0; negative needs root), "
-                                                  "every arm alike: on a small box the client shares the cores "
-                                                  "(docs/serving.md). Default: left as it is."),
+        client_nice: Optional[int] = typer.Option(None, "--client-nice", help=CLIENT_NICE_HELP),
     ) -> None:
         """vLLM's serving benchmark against stock vLLM, Ray Serve LLM and kvtier (tier full, and auto
         routing) on the same engine settings; prints JSON (tok/s, TTFT, TPOT, preemptions, failed, serving
@@ -101,13 +116,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         bad = set(arms.split(",")) - {"stock", "rayllm", "full", "auto"}
         if bad:
             raise typer.BadParameter(f"unknown arms {sorted(bad)}", param_hint="--arms")
-        if client_nice is not None:   # refused here, before any server starts, if it cannot be applied
-            from kvtier.benchmarks.client_clock import client_priority
-            try:
-                with client_priority(client_nice) as how:
-                    typer.echo(f"benchmark client while it measures: {how}", err=True)
-            except (ValueError, PermissionError) as e:
-                raise typer.BadParameter(str(e), param_hint="--client-nice") from None
+        check_client_nice(client_nice)
         result = run_serve_bench(settings, cfg.model_dump(mode="json"), chosen, arms.split(","), runs, workdir,
                                  log=lambda m: typer.echo(m, err=True), client_nice=client_nice)
         emit(result, out, plot, draw)
