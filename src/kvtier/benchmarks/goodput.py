@@ -115,7 +115,8 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
         ok = not err
         per.append({"pid": t.pid, "kind": t.kind, "correct": bool(ok and grade(text or "", t.answer).correct),
                     "output_tokens": int(n_out), "failed": not ok})
-    return {**breakdown, "client_stalls": watch.summary(), "arm": arm, "duration_s": float(r["duration"]), "per_problem": per,
+    return {**breakdown, "client_stalls": watch.summary(), "arm": arm, "duration_s": float(r["duration"]),
+            "per_problem": per,
             "ttft_ms": float(r["mean_ttft_ms"]), "ttft_p50_ms": float(r["median_ttft_ms"]),
             "ttft_p99_ms": float(r["p99_ttft_ms"]),
             "e2el_ms": float(r["mean_e2el_ms"]), "e2el_p99_ms": float(r["p99_e2el_ms"]),
@@ -247,8 +248,8 @@ def run_goodput(settings: EngineSettings, config: dict, tasks: list[GradedTask],
             log(f"run {i + 1}/{runs}")
             per_run.append(one_run(arms, settings, config, tasks, workdir, concurrency, max_tokens, seed, log,
                                    client_nice))
-    return {**median_of(per_run, arms), "settings": {**asdict(settings), "client_nice": client_nice}, "tasks": {"problems": len(tasks), "kinds": sorted({t.kind for t in tasks}),
-                                                **({"family": family} if family else {})},
+    tasks_run = {"problems": len(tasks), "kinds": sorted({t.kind for t in tasks}), **({"family": family} if family else {})}
+    return {**median_of(per_run, arms), "settings": {**asdict(settings), "client_nice": client_nice}, "tasks": tasks_run,
             "concurrency": concurrency, "max_tokens": max_tokens,
             "routing_rule": config.get("routing", {}).get("rule"), **where}
 
