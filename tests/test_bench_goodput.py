@@ -79,7 +79,7 @@ def test_bench_goodput_stock_and_two_kvtier_arms(tmp_path):
     arms = r["arms"]
     assert set(arms) == {"stock", "full", "k512"} and len(r["runs"]) == 1
     for name, a in arms.items():
-        assert a["problems"] == 4 and a["failed"] == 0, (name, a)           # every answer came back and was graded
+        assert a["problems"] == 4 and a["failed"] == 0, (name, a.get("errors"))  # every answer came back, graded
         assert set(a["accuracy"]) == {"local", "needle"}
         assert a["length_ratio_to_full"] > 0 and a["mean_output_tokens"] > 100 and a["correct_per_s"] >= 0
         assert 0 < a["ttft_p50_ms"] <= a["ttft_p99_ms"] and a["ttft_ms"] > 0 and a["e2el_p99_ms"] >= a["e2el_ms"] * 0.5

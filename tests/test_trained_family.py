@@ -122,7 +122,7 @@ def test_goodput_grades_a_shipped_model_on_its_family(tmp_path, monkeypatch, mod
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     seen = {}
 
-    def fake(settings, config, tasks, arms, runs, workdir, concurrency, max_tokens, seed, log, family):
+    def fake(settings, config, tasks, arms, runs, workdir, concurrency, max_tokens, seed, log, family, **_):
         seen.update(family=family, max_tokens=max_tokens, prompts={t.prompt for t in tasks})
         return {"arms": {}}
 

@@ -114,7 +114,7 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
     for t, text, n_out, err in zip(tasks, r["generated_texts"], r["output_lens"], errors):
         ok = not err
         per.append({"pid": t.pid, "kind": t.kind, "correct": bool(ok and grade(text or "", t.answer).correct),
-                    "output_tokens": int(n_out), "failed": not ok})
+                    "output_tokens": int(n_out), "failed": not ok, **({"error": str(err)[:500]} if err else {})})
     return {**breakdown, "client_stalls": watch.summary(), "arm": arm, "duration_s": float(r["duration"]),
             "per_problem": per,
             "ttft_ms": float(r["mean_ttft_ms"]), "ttft_p50_ms": float(r["median_ttft_ms"]),
@@ -175,7 +175,9 @@ def summarize_arm(raw: dict, full: dict | None) -> dict:
            "preemptions": raw["preemptions"], "eviction_events": raw["eviction_events"],
            "tightenings": raw.get("tightenings"), "final_budgets": raw.get("final_budgets"), "failed": raw["failed"],
            "speed_probe_ms": raw.get("speed_probe_ms"),
-           **{k: raw[k] for k in ("ttft_breakdown_ms", "client_stalls") if raw.get(k)}}
+           **{k: raw[k] for k in ("ttft_breakdown_ms", "client_stalls") if raw.get(k)},
+           # why requests failed (each distinct error once): a failed arm is diagnosable from its JSON
+           **({"errors": sorted({p["error"] for p in per if p.get("error")})} if raw["failed"] else {})}
     if full is not None:
         theirs = {p["pid"]: p["output_tokens"] for p in full["per_problem"]}
         shared = [p for p in per if p["pid"] in theirs]
