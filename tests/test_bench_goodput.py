@@ -32,6 +32,17 @@ def test_summary_counts_accuracy_goodput_and_length_ratio_by_hand():
     assert own["length_ratio_to_full"] == 1.0 and "vs_full" not in own["ci"]["local"]
 
 
+def test_an_arms_router_counts_are_what_changed_during_it():
+    from kvtier.benchmarks.goodput import counts_since
+
+    before = {"tightenings": 2.0, "final_budgets": {"full": 3, "512": 1}, "router_errors": {"503 engine-unavailable": 1}}
+    after = {"tightenings": 5.0, "final_budgets": {"full": 3, "512": 4, "256": 2},
+             "router_errors": {"503 engine-unavailable": 2, "504 timeout": 1}}
+    assert counts_since(before, after) == {"tightenings": 3.0, "final_budgets": {"256": 2, "512": 3},
+                                           "router_errors": {"503 engine-unavailable": 1, "504 timeout": 1}}
+    assert counts_since(None, None) == {"tightenings": None, "final_budgets": None, "router_errors": None}   # stock
+
+
 def test_tasks_reasoner_default_and_jsonl(tmp_path):
     tasks = load_tasks("reasoner", 3)
     assert [t.kind for t in tasks] == ["local", "needle"] * 3 and len({t.pid for t in tasks}) == 6
@@ -89,6 +100,8 @@ def test_bench_goodput_stock_and_two_kvtier_arms(tmp_path):
     # every answer's final budget, from its usage.kvtier: full attention, or the fixed tier's K
     assert arms["full"]["final_budgets"] == {"full": 4} and arms["k512"]["final_budgets"] == {"512": 4}
     assert arms["stock"]["final_budgets"] is None
+    # nothing failed where vLLM's client cannot see it (an SSE error event mid-stream reads as a success)
+    assert arms["full"]["router_errors"] == {} == arms["k512"]["router_errors"] and arms["stock"]["router_errors"] is None
     # a kvtier arm's time to first token by the router's segments (stock has no router)
     assert "ttft_breakdown_ms" not in arms["stock"]
     assert all(arms[a]["ttft_breakdown_ms"]["engine"]["mean_ms"] > 0 for a in ("full", "k512")), arms

@@ -15,7 +15,8 @@ request's generated text, output length, TTFT and latency in prompt order, which
 Per arm: accuracy per kind with the paired, problem-clustered bootstrap CI and sign test against `full`
 (evaluation/stats.py), correct answers per second, output tok/s, mean and p99 output length and its ratio
 to `full` on the same problems, TTFT and end-to-end latency (mean, p99), vLLM's preemption count,
-applied eviction events, failed requests; ratios to stock per run. The top-level `arms` are the median run
+applied eviction events, failed requests (with their errors) and the router's 5xx (router_errors: a stream
+cut short by an SSE error event counts as a success to vLLM's client); ratios to stock per run. The top-level `arms` are the median run
 (by the main compressed arm's correct answers per second relative to stock).
 """
 
@@ -98,7 +99,7 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
 
     headers = {} if arm in ("stock", "auto") else {"x-kvtier-tier": arm}
     kind = "stock" if arm == "stock" else "kvtier"
-    before, (tight0, ends0) = counters(kind, server), elastic_counts(kind, server)
+    before, router0 = counters(kind, server), router_counts(kind, server)
     probe0 = speed_probe_ms()
     since = time.time()
     # the client's own stalls (client_clock.py): a uniform wait for every request's first token is the
@@ -106,7 +107,7 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
     with contextlib.redirect_stdout(io.StringIO()), client_priority(client_nice), StallWatch() as watch:
         r = vllm_bench(bench_args(settings, server, dataset, len(tasks), concurrency, max_tokens, headers, seed))
     probe1 = speed_probe_ms()
-    after, (tight1, ends1) = counters(kind, server), elastic_counts(kind, server)
+    after, router1 = counters(kind, server), router_counts(kind, server)
     # where a kvtier arm's time to first token went: the router's segments (first_token.py)
     breakdown = {} if kind == "stock" else ttft_breakdown(server, since, float(r["mean_ttft_ms"]))
     errors = list(r.get("errors") or [""] * len(tasks))
@@ -123,24 +124,40 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
             "tok_per_s": float(r["output_throughput"]), "failed": int(r["failed"]),
             "preemptions": None if after[0] is None else after[0] - (before[0] or 0.0),
             "eviction_events": None if after[1] is None else after[1] - (before[1] or 0.0),
-            "tightenings": None if tight1 is None else tight1 - (tight0 or 0.0),
-            "speed_probe_ms": [probe0, probe1],   # the machine's speed just before and after (environment.py)
-            # requests answered by the budget they ended with (usage.kvtier; "full": full attention to the end)
-            "final_budgets": None if ends1 is None else
-            {b: n - ends0.get(b, 0) for b, n in sorted(ends1.items()) if n > ends0.get(b, 0)}}
+            **counts_since(router0, router1),
+            "speed_probe_ms": [probe0, probe1]}   # the machine's speed just before and after (environment.py)
 
 
-def elastic_counts(kind: str, server: ServerProcess) -> tuple[float | None, dict[str, int] | None]:
-    """(elastic requests tightened so far on a kvtier server's engines, requests answered so far by the
-    budget they ended with, over all tiers); (None, None) for stock."""
+def router_counts(kind: str, server: ServerProcess) -> dict | None:
+    """A kvtier server's counters so far (None for stock): elastic requests tightened over its engines'
+    tiers, requests answered by the budget they ended with, and the router's errors by status and reason
+    (a 5xx before the answer, or an SSE error event mid-stream, which vLLM's benchmark client counts as a
+    success with a cut-short text)."""
     if kind == "stock":
-        return None, None
+        return None
     stats = kvtier_stats(server)
-    engines = stats["engines"]
     ends: dict[str, int] = {}
     for row in stats["router"].get("final_budgets", []):
         ends[row["budget"]] = ends.get(row["budget"], 0) + row["count"]
-    return float(sum(sum(((e.get("eviction") or {}).get("tightenings") or {}).values()) for e in engines.values())), ends
+    errors: dict[str, int] = {}
+    for row in stats["router"].get("rejections", []):
+        if row["status"] >= 500:
+            key = f"{row['status']} {row['reason']}"
+            errors[key] = errors.get(key, 0) + row["count"]
+    tightenings = float(sum(sum(((e.get("eviction") or {}).get("tightenings") or {}).values())
+                            for e in stats["engines"].values()))
+    return {"tightenings": tightenings, "final_budgets": ends, "router_errors": errors}
+
+
+def counts_since(before: dict | None, after: dict | None) -> dict:
+    """An arm's share of router_counts: what changed between before and after (None for stock)."""
+    if after is None:
+        return {"tightenings": None, "final_budgets": None, "router_errors": None}
+
+    def grown(key):   # requests answered by the budget they ended with ("full": full attention to the end)
+        return {k: n - before[key].get(k, 0) for k, n in sorted(after[key].items()) if n > before[key].get(k, 0)}
+    return {"tightenings": after["tightenings"] - before["tightenings"], "final_budgets": grown("final_budgets"),
+            "router_errors": grown("router_errors")}
 
 
 def _scores(per: list[dict], kind: str) -> dict:
@@ -174,6 +191,7 @@ def summarize_arm(raw: dict, full: dict | None) -> dict:
            "e2el_ms": round(raw["e2el_ms"], 1), "e2el_p99_ms": round(raw["e2el_p99_ms"], 1),
            "preemptions": raw["preemptions"], "eviction_events": raw["eviction_events"],
            "tightenings": raw.get("tightenings"), "final_budgets": raw.get("final_budgets"), "failed": raw["failed"],
+           "router_errors": raw.get("router_errors"),
            "speed_probe_ms": raw.get("speed_probe_ms"),
            **{k: raw[k] for k in ("ttft_breakdown_ms", "client_stalls") if raw.get(k)},
            # why requests failed (each distinct error once): a failed arm is diagnosable from its JSON
