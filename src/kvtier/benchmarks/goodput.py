@@ -36,6 +36,7 @@ from .client_clock import StallWatch, client_priority
 from .environment import speed_probe_ms
 from .serve import counters, kvtier_config, kvtier_stats, ttft_breakdown
 from .servers import EngineSettings, ServerProcess, start_kvtier, start_stock, stop_servers_on_signals
+from .sse_reads import whole_events
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,9 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
     since = time.time()
     # the client's own stalls (client_clock.py): a uniform wait for every request's first token is the
     # load generator not running, not the server
-    with contextlib.redirect_stdout(io.StringIO()), client_priority(client_nice), StallWatch() as watch:
+    # and it reads whole SSE events (sse_reads.py: vLLM 0.31's client mangles events cut across reads)
+    with contextlib.redirect_stdout(io.StringIO()), client_priority(client_nice), StallWatch() as watch, \
+            whole_events():
         r = vllm_bench(bench_args(settings, server, dataset, len(tasks), concurrency, max_tokens, headers, seed))
     probe1 = speed_probe_ms()
     after, router1 = counters(kind, server), router_counts(kind, server)

@@ -29,6 +29,7 @@ import httpx
 from .client_clock import StallWatch, client_priority
 from .servers import (EngineSettings, ServerProcess, prometheus_sum, start_kvtier, start_rayllm, start_stock,
                       stop_servers_on_signals)
+from .sse_reads import whole_events
 
 ARMS = ("stock", "rayllm", "full", "auto")
 # the processes a request's tokens pass through besides the engine core (servers.process_group); Ray's own
@@ -119,7 +120,9 @@ def run_one(arm: str, server: ServerProcess, settings: EngineSettings, w: Worklo
     before = counters(arm, server)
     before_cpu = server.cpu_seconds()   # CPU is sampled right around the benchmark, not the metric reads
     # its report table goes nowhere (the numbers come back as a dict); the client's own stalls are watched
-    with contextlib.redirect_stdout(io.StringIO()), client_priority(client_nice), StallWatch() as watch:
+    # (and it reads whole SSE events: sse_reads.py)
+    with contextlib.redirect_stdout(io.StringIO()), client_priority(client_nice), StallWatch() as watch, \
+            whole_events():
         r = vllm_bench(bench_args(settings, server, w, headers, seed))
     after_cpu = server.cpu_seconds()
     after = counters(arm, server)
