@@ -15,8 +15,8 @@ request's generated text, output length, TTFT and latency in prompt order, which
 Per arm: accuracy per kind with the paired, problem-clustered bootstrap CI and sign test against `full`
 (evaluation/stats.py), correct answers per second, output tok/s, mean and p99 output length and its ratio
 to `full` on the same problems, TTFT and end-to-end latency (mean, p99), vLLM's preemption count,
-applied eviction events, failed requests (with their errors) and the router's 5xx (router_errors: a stream
-cut short by an SSE error event counts as a success to vLLM's client); ratios to stock per run. The top-level `arms` are the median run
+applied eviction events, failed requests (with the end of their errors; a stream that carried an SSE error
+event counts as failed: sse_reads.py) and the router's own 5xx count (router_errors); ratios to stock per run. The top-level `arms` are the median run
 (by the main compressed arm's correct answers per second relative to stock).
 """
 
@@ -118,7 +118,7 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
     for t, text, n_out, err in zip(tasks, r["generated_texts"], r["output_lens"], errors):
         ok = not err
         per.append({"pid": t.pid, "kind": t.kind, "correct": bool(ok and grade(text or "", t.answer).correct),
-                    "output_tokens": int(n_out), "failed": not ok, **({"error": str(err)[:500]} if err else {})})
+                    "output_tokens": int(n_out), "failed": not ok, **({"error": str(err).strip()[-500:]} if err else {})})
     return {**breakdown, "client_stalls": watch.summary(), "arm": arm, "duration_s": float(r["duration"]),
             "per_problem": per,
             "ttft_ms": float(r["mean_ttft_ms"]), "ttft_p50_ms": float(r["median_ttft_ms"]),
@@ -133,9 +133,8 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
 
 def router_counts(kind: str, server: ServerProcess) -> dict | None:
     """A kvtier server's counters so far (None for stock): elastic requests tightened over its engines'
-    tiers, requests answered by the budget they ended with, and the router's errors by status and reason
-    (a 5xx before the answer, or an SSE error event mid-stream, which vLLM's benchmark client counts as a
-    success with a cut-short text)."""
+    tiers, requests answered by the budget they ended with, and the 5xx the router counted, by status and
+    reason (refused, or an engine lost mid-stream)."""
     if kind == "stock":
         return None
     stats = kvtier_stats(server)
@@ -157,7 +156,7 @@ def counts_since(before: dict | None, after: dict | None) -> dict:
     if after is None:
         return {"tightenings": None, "final_budgets": None, "router_errors": None}
 
-    def grown(key):   # requests answered by the budget they ended with ("full": full attention to the end)
+    def grown(key):   # the counts by label that rose during the arm
         return {k: n - before[key].get(k, 0) for k, n in sorted(after[key].items()) if n > before[key].get(k, 0)}
     return {"tightenings": after["tightenings"] - before["tightenings"], "final_budgets": grown("final_budgets"),
             "router_errors": grown("router_errors")}
