@@ -16,8 +16,9 @@ Per arm: accuracy per kind with the paired, problem-clustered bootstrap CI and s
 (evaluation/stats.py), correct answers per second, output tok/s, mean and p99 output length and its ratio
 to `full` on the same problems, TTFT and end-to-end latency (mean, p99), vLLM's preemption count,
 applied eviction events, failed requests (with the end of their errors; a stream that carried an SSE error
-event counts as failed: sse_reads.py) and the router's own 5xx count (router_errors); ratios to stock per run. The top-level `arms` are the median run
-(by the main compressed arm's correct answers per second relative to stock).
+event counts as failed: sse_reads.py) and the router's own 5xx count (router_errors); ratios to stock per
+run. The top-level `arms` are the median run (by the main compressed arm's correct answers per second
+relative to stock).
 """
 
 from __future__ import annotations
