@@ -24,8 +24,6 @@ relative to stock).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -33,11 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .client_clock import StallWatch, client_priority
 from .environment import speed_probe_ms
-from .serve import counters, kvtier_config, kvtier_stats, ttft_breakdown
+from .serve import counters, kvtier_config, kvtier_stats, ttft_breakdown, vllm_client
 from .servers import EngineSettings, ServerProcess, start_kvtier, start_stock, stop_servers_on_signals
-from .sse_reads import whole_events
 
 
 @dataclass(frozen=True)
@@ -104,11 +100,7 @@ def run_arm(arm: str, server: ServerProcess, settings: EngineSettings, tasks: li
     before, router0 = counters(kind, server), router_counts(kind, server)
     probe0 = speed_probe_ms()
     since = time.time()
-    # the client's own stalls (client_clock.py): a uniform wait for every request's first token is the
-    # load generator not running, not the server
-    # and it reads whole SSE events (sse_reads.py: vLLM 0.31's client mangles events cut across reads)
-    with contextlib.redirect_stdout(io.StringIO()), client_priority(client_nice), StallWatch() as watch, \
-            whole_events():
+    with vllm_client(client_nice) as watch:
         r = vllm_bench(bench_args(settings, server, dataset, len(tasks), concurrency, max_tokens, headers, seed))
     probe1 = speed_probe_ms()
     after, router1 = counters(kind, server), router_counts(kind, server)

@@ -111,6 +111,17 @@ def _delta(after: float | None, before: float | None) -> float | None:
     return None if after is None else after - (before or 0.0)
 
 
+@contextlib.contextmanager
+def vllm_client(client_nice: int | None):
+    """Around one call of vLLM's serving benchmark (bench serve and bench goodput alike): its report table
+    goes nowhere (the numbers come back as a dict), the client runs at `client_nice` (client_clock.py), its
+    own stalls are watched (yields the StallWatch: a uniform wait for every first token is the load
+    generator not running, not the server), and it reads whole SSE events (sse_reads.py)."""
+    with contextlib.redirect_stdout(io.StringIO()), client_priority(client_nice), StallWatch() as watch, \
+            whole_events():
+        yield watch
+
+
 def run_one(arm: str, server: ServerProcess, settings: EngineSettings, w: Workload, seed: int,
             client_nice: int | None = None) -> dict:
     from vllm.benchmarks.serve import main as vllm_bench
@@ -119,10 +130,7 @@ def run_one(arm: str, server: ServerProcess, settings: EngineSettings, w: Worklo
     since = time.time()
     before = counters(arm, server)
     before_cpu = server.cpu_seconds()   # CPU is sampled right around the benchmark, not the metric reads
-    # its report table goes nowhere (the numbers come back as a dict); the client's own stalls are watched
-    # (and it reads whole SSE events: sse_reads.py)
-    with contextlib.redirect_stdout(io.StringIO()), client_priority(client_nice), StallWatch() as watch, \
-            whole_events():
+    with vllm_client(client_nice) as watch:
         r = vllm_bench(bench_args(settings, server, w, headers, seed))
     after_cpu = server.cpu_seconds()
     after = counters(arm, server)
