@@ -49,7 +49,8 @@ def test_bench_serve_stock_vs_kvtier(tmp_path):
     for name, arm in arms.items():
         assert arm["completed"] == PROMPTS and arm["failed"] == 0, (name, arm)
         assert arm["output_tokens"] == PROMPTS * OUTPUT, (name, arm)
-        assert arm["tok_per_s"] > 0 and arm["tpot_ms"] > 0 and arm["ttft_p99_ms"] >= arm["ttft_ms"] * 0.5
+        assert arm["tok_per_s"] > 0 and arm["tpot_ms"] > 0 and arm["ttft_p99_ms"] >= arm["ttft_ms"] * 0.5, (name, arm)
+        assert arm["streams_read_in_one_burst"] < PROMPTS, (name, arm)   # else measured again (measured_run)
         assert arm["cpu_s"]["engine_core"] > 0 and arm["serving_cpu_s_per_1k_tokens"] > 0, arm["cpu_s"]
         assert len(arm["runs"]) == 1
         stalls = arm["runs"][0]["client_stalls"]   # the client's own stalls, told apart from the server's
@@ -84,6 +85,41 @@ def test_targets_are_plain_json_bools_when_met():
                     "auto": {"ratio_to_stock": np.float64(2.1), "preemptions": np.float64(0), "failed": 0}}}
     got = targets(run)
     assert got == {"long.full": True, "long.auto": True} and json.loads(json.dumps(got)) == got
+
+
+def test_a_ratio_to_a_stock_figure_of_zero_meets_no_target():
+    """A stock TPOT of 0 (its streams read in one burst) is no measurement: the ratio is None, not a crash at
+    the end of a long benchmark, and the target it decides is not met."""
+    from kvtier.benchmarks.serve import targets
+
+    run = {"long": {"full": {"ratio_to_stock": 1.0, "tpot_ratio_to_stock": None},
+                    "auto": {"ratio_to_stock": None, "preemptions": 0, "failed": 0}}}
+    assert targets(run) == {"long.full": False, "long.auto": False}
+
+
+def test_streams_read_in_one_burst_are_counted_from_vllms_per_request_times():
+    from kvtier.benchmarks.client_clock import streams_read_in_one_burst
+
+    ttfts = [0.5, 0.5, 0.5, None, 0.5]
+    itls = [[0.01] * 30, [0.0001] * 5, [0.0003] * 5, [], []]   # streamed; burst (0.5 ms); 1.5 ms; failed; one chunk
+    assert streams_read_in_one_burst(ttfts, itls) == 1
+
+
+def test_an_arm_whose_every_stream_came_in_one_burst_is_measured_again(monkeypatch):
+    """Seen once in CI: an arm with TPOT 0.00 ms (every request's 300 tokens reached the client in one read).
+    The benchmark measures such an arm once more and keeps the discarded run beside the new one; an arm
+    with one streamed request is kept as measured."""
+    from kvtier.benchmarks import serve
+
+    burst = {"completed": 8, "streams_read_in_one_burst": 8, "tpot_ms": 0.0, "client_stalls": {}, "ttfts_ms": [1]}
+    fine = {"completed": 8, "streams_read_in_one_burst": 0, "tpot_ms": 9.1, "client_stalls": {}, "ttfts_ms": [1]}
+    answers, logged = [burst, fine], []
+    monkeypatch.setattr(serve, "run_one", lambda *a: answers.pop(0))
+    res = serve.measured_run("full", None, None, None, 0, None, logged.append)
+    assert res["tpot_ms"] == 9.1 and res["discarded_run"]["tpot_ms"] == 0.0 and "ttfts_ms" not in res["discarded_run"]
+    assert not answers and "measuring the arm again" in logged[0]
+    answers[:] = [{**burst, "streams_read_in_one_burst": 7}]
+    assert serve.measured_run("full", None, None, None, 0, None, logged.append)["tpot_ms"] == 0.0 and len(logged) == 1
 
 
 def test_time_to_first_token_targets_per_workload():

@@ -59,6 +59,14 @@ class StallWatch:
                 "total_ms": round(1000 * sum(lags), 1), "descheduled_ms": round(1000 * sum(away), 1)}
 
 
+def streams_read_in_one_burst(ttfts: list, itls: list[list[float]], min_spread_s: float = 0.001) -> int:
+    """How many of a benchmark's streams (vLLM's per-request `ttfts` and `itls`) reached the client all at
+    once: more than one chunk, yet the last within `min_spread_s` of the first. Such a stream's TPOT is ~0
+    and no measurement: while the engine generated it, the client (or a hop of the serving path) was not
+    scheduled and the stream waited in a socket or a queue (seen once in CI: an arm with TPOT 0.00 ms)."""
+    return sum(1 for t, itl in zip(ttfts, itls) if t is not None and itl and sum(itl) < min_spread_s)
+
+
 def _autogroup_on(autogroup: Path, switch: Path) -> bool:
     return switch.exists() and switch.read_text().strip() == "1" and autogroup.exists()
 

@@ -101,7 +101,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         """vLLM's serving benchmark against stock vLLM, Ray Serve LLM and kvtier (tier full, and auto
         routing) on the same engine settings; prints JSON (tok/s, TTFT, TPOT, preemptions, failed, serving
         CPU per 1k tokens, ratios to stock, and for kvtier's arms where the first token's time goes)."""
-        from kvtier.benchmarks.serve import Workload, plot as draw, run_serve_bench
+        from kvtier.benchmarks.serve import Workload, run_serve_bench
+        from kvtier.benchmarks.serve_plot import plot as draw
 
         cfg, settings = engine_settings(config, kv_cache_bytes, max_num_seqs, max_model_len, dtype=dtype)
         specs = {"idle": idle, "short": short, "long": long}
