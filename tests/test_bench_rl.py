@@ -330,3 +330,18 @@ def test_tables_read_the_report():
     assert "+0.30 [+0.10, +0.50]" in rows["replay"] and "12.0 (2.50×)" in rows["replay"]
     assert "30.0 |" in rows["full"] and "×" not in rows["full"]
     assert len(seed_table(report).splitlines()) == 2 + 4      # header + one row per run (1 + 1 + 2 seeds)
+
+
+def test_the_rollout_temperature_reaches_verl_and_keys_the_run():
+    """#59: the sampling temperature is chosen on the selection set; it reaches verl's rollout config (verl's actor
+    scores log-probs at the same one), keys a kept run (a run kept before the setting existed sampled at 1.0
+    and still matches), and a greedy GRPO rollout is refused before any work."""
+    assert _composed().actor_rollout_ref.rollout.temperature == 1.0
+    assert _composed(temperature=0.7).actor_rollout_ref.rollout.temperature == 0.7
+    assert "temperature" not in RLBenchShape().run_key("replay")
+    assert RLBenchShape(temperature=0.7).run_key("replay")["temperature"] == 0.7
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        _composed(temperature=0.0)
+    from kvtier.benchmarks.rl import check_bench
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        check_bench(RLBenchShape(temperature=0.0), ["replay"])

@@ -240,3 +240,33 @@ def test_cli_refusals_before_any_engine(tmp_path):
     code, out = _invoke(["bench", "goodput", "--tasks", str(f), "--family", "chains-long",
                          "--workdir", str(tmp_path / "g")])
     assert code == 2 and "--family" in out and "JSONL" in out, out
+
+
+@pytest.mark.parametrize("name", ["chains", "chains-long"])
+def test_the_selection_set_never_holds_a_held_out_problem(name):
+    """#59: settings (an RL budget, a temperature) are chosen on a set disjoint from every held-out read (the
+    first SELECTION_EXCLUDES held-out problems), drawn the same way each time."""
+    fam = rt.family(name)
+    for kind in rt.KINDS:
+        chosen = fam.selection_problems(64, kind)
+        held = {(p.y0, p.x0, p.n) for p in fam.eval_problems(rt.SELECTION_EXCLUDES, kind)}
+        assert len(chosen) == 64 and not {(p.y0, p.x0, p.n) for p in chosen} & held
+        assert _digest(chosen) == _digest(fam.selection_problems(64, kind))
+        assert _digest(chosen[:8]) == _digest(fam.selection_problems(8, kind))     # a prefix of one sequence
+
+
+def test_eval_reasoner_draws_the_split_it_is_given():
+    from kvtier.evaluation.reasoner_eval import ReasonerEvalConfig, _jobs
+    from kvtier.evaluation.runner import make_grid
+
+    class Tok:
+        def __call__(self, text):
+            return {"input_ids": [0, *range(len(text))]}
+
+    cells = make_grid(("random",), (512,))
+    for split, draw in (("heldout", rt.CHAINS_LONG.eval_problems), ("selection", rt.CHAINS_LONG.selection_problems)):
+        cfg = ReasonerEvalConfig(problems=3, runs=1, kinds=("local",), family="chains-long", split=split)
+        prompts = [job["problem"].question for job, _ in _jobs(cfg, Tok(), cells)]
+        assert prompts == [p.prompt for p in draw(3, "local") for _ in cells]
+    with pytest.raises(ValueError, match="split must be one of"):
+        ReasonerEvalConfig(split="train")

@@ -71,12 +71,15 @@ class RLBenchShape:
     kl_coef: float | None = None   # actor.kl_loss_coef in every arm (None: kvtier_grpo.yaml's 0.001)
     rollout_dtype: str = "auto"    # the rollout engine's dtype (rl_smoke.ROLLOUT_DTYPES; auto: float32 on a CPU
                                    # without native bf16)
+    temperature: float = 1.0       # the rollout's sampling temperature (verl's default; chosen on the selection set)
 
     def run_key(self, arm: str) -> dict:
         """The settings a finished run of `arm` depends on: not how many seeds the bench runs, nor another
         arm's settings (the rejection is dense-rs's, the full-attention share the share arms')."""
         spec = arm_spec(arm, self)
-        skip = {"seeds", *(() if arm == "dense-rs" else ("rejection",)), *(() if spec.full_share else ("full_share",))}
+        skip = {"seeds", *(() if arm == "dense-rs" else ("rejection",)), *(() if spec.full_share else ("full_share",)),
+                # runs kept before the setting existed sampled at verl's 1.0 and have no such key
+                *(("temperature",) if self.temperature == 1.0 else ())}
         return {"arm": arm, **{k: v for k, v in asdict(self).items() if k not in skip}}
 
     def start_key(self) -> dict:
@@ -205,11 +208,12 @@ def run_seed(arm: str, model: str, shape: RLBenchShape, workdir: Path, seed: int
     t0 = time.monotonic()
     result = run_smoke(steps=shape.steps, model=model, workdir=str(work), batch_size=shape.batch_size, n=shape.n,
                        response_length=shape.response_length, budget=spec.budget, buffer=shape.buffer,
-                       kv_cache_mb=shape.kv_cache_mb, lr=shape.lr, check_tokens=0, timeout=3600, echo=echo,
+                       kv_cache_mb=shape.kv_cache_mb, lr=shape.lr, check_tokens=0, echo=echo,
+                       timeout=max(3600, 600 * shape.steps),   # long traces on 2 cores: minutes a step
                        task=shape.family, learner=spec.learner, extra_overrides=spec.extra,
                        learner_dtype=shape.learner_dtype, ref_attention=spec.ref_attention,
                        full_share=spec.full_share, kl_coef=shape.kl_coef, rollout=spec.rollout,
-                       rollout_dtype=shape.rollout_dtype)
+                       rollout_dtype=shape.rollout_dtype, temperature=shape.temperature)
     if result["summary"]["returncode"] != 0:
         raise RuntimeError(f"arm {arm} seed {seed}: verl's trainer failed (log: {work / 'main_ppo.log'})")
     steps = [step_row(r) for r in result["steps"]]
@@ -236,6 +240,8 @@ def check_bench(shape: RLBenchShape, arms: list[str]) -> None:
     task_family(shape.family)
     if shape.seeds < 1:
         raise ValueError(f"seeds must be >= 1, not {shape.seeds}")
+    if not shape.temperature > 0:
+        raise ValueError(f"temperature must be > 0 (GRPO samples its groups), not {shape.temperature}")
     for arm in arms:
         arm_spec(arm, shape)
 

@@ -46,6 +46,10 @@ def register(eval_app: typer.Typer) -> None:
                                              "TRAINING.json). Sets max_tokens and max_model_len."),
         buffer: int = typer.Option(32, help="r: recent buffer and round cadence."),
         temperature: float = typer.Option(0.0, help="0: greedy (the R paired seeds drive random's draws)."),
+        top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling at temperature > 0 (verl's rollout: 1.0)."),
+        split: str = typer.Option("heldout", help="heldout (the evaluation's problems) or selection (a disjoint set "
+                                  "for choosing settings before the runs that judge them, e.g. an RL budget and "
+                                  "temperature)."),
         seed: int = typer.Option(0),
         threads: int = typer.Option(1, help="torch CPU threads."),
         dtype: str = typer.Option("auto", help="Engine dtype: auto (float32 on a CPU without AVX512-BF16/AMX, "
@@ -77,11 +81,12 @@ def register(eval_app: typer.Typer) -> None:
         if kinds:
             kw["kinds"] = tuple(_csv(kinds))
         try:
-            cfg = ReasonerEvalConfig(buffer=buffer, temperature=temperature, seed=seed, threads=threads,
-                                     model=model or "", family=family, dtype=dtype, engine=engine, device=device,
+            cfg = ReasonerEvalConfig(buffer=buffer, temperature=temperature, top_p=top_p, seed=seed, threads=threads,
+                                     model=model or "", family=family, dtype=dtype, engine=engine, device=device, split=split,
                                      max_batch=max_batch, **kw)
         except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--engine" if "engine" in str(exc) else "--dtype") from None
+            hint = next((f"--{f}" for f in ("engine", "split") if str(exc).startswith(f)), "--dtype")
+            raise typer.BadParameter(str(exc), param_hint=hint) from None
         try:
             check_positions(cfg)             # before any engine: the model must hold the family's traces
         except ValueError as exc:

@@ -61,6 +61,7 @@ class ReasonerEvalConfig:
     kv_cache_mb: int = 0                # 0: the family's (KV_CACHE_MB)
     model: str = ""
     family: str = rt.DEFAULT_FAMILY     # the task family (kvtier.tasks.chains.FAMILIES)
+    split: str = "heldout"              # heldout (eval_problems) | selection (selection_problems: choosing settings)
     dtype: str = "auto"                 # engine dtype: auto (float32 on a CPU without native bf16, where vLLM's
                                         # bf16 matmuls are ~70x slower; else the models' bfloat16) | bfloat16 | float32
     engine: str = "vllm"                # vllm | reference (kvtier.reference: transformers, the same keep-sets; GPU boxes without vLLM)
@@ -74,6 +75,8 @@ class ReasonerEvalConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.split not in rt.SPLITS:
+            raise ValueError(f"split must be one of {rt.SPLITS}, got {self.split!r}")
 
     @property
     def max_model_len(self) -> int:
@@ -130,8 +133,10 @@ def check_positions(cfg: ReasonerEvalConfig) -> None:
 
 def _jobs(cfg: ReasonerEvalConfig, tokenizer, cells: list[Cell]) -> list[tuple[dict, None]]:
     jobs = []
+    fam = rt.family(cfg.family)
+    draw = fam.selection_problems if cfg.split == "selection" else fam.eval_problems
     for kind in cfg.kinds:
-        for pi, cp in enumerate(rt.family(cfg.family).eval_problems(cfg.problems, kind)):
+        for pi, cp in enumerate(draw(cfg.problems, kind)):
             prob = Problem(task=kind, pid=f"{kind}-{pi}", question=cp.prompt, answer=cp.answer)
             ids = tokenizer(cp.prompt)["input_ids"]                       # bos + prompt, no template
             for cell in cells:

@@ -101,3 +101,26 @@ def run_std(per_run_accuracy: Sequence[float]) -> float:
     """Run-to-run standard deviation (sample, ddof=1; 0 for a single run)."""
     x = np.asarray(per_run_accuracy, dtype=np.float64)
     return float(x.std(ddof=1)) if len(x) > 1 else 0.0
+
+
+def detectable_change(start: float, problems: int, *, seeds: int = 1, alpha: float = 0.05, power: float = 0.8,
+                      direction: int = 1) -> float:
+    """The smallest change of an accuracy from `start` that a paired read of `problems` problems detects with
+    probability `power` at two-sided level `alpha` (normal approximation of the mean per-problem difference,
+    d_i = mean over `seeds` end reads - start read). Start and end are taken as independent per problem (a
+    positive correlation, as between two reads of one model, only shrinks the variance: conservative), and the
+    end's `seeds` as independent reads (seeds=1: as if every seed read alike, the most conservative). `direction`
+    +1 asks for a rise, -1 for a fall; 1 - start (or start) when even the largest change is not detectable."""
+    from statistics import NormalDist
+
+    if not 0 <= start <= 1 or problems < 1 or seeds < 1 or direction not in (1, -1):
+        raise ValueError("start in [0, 1], problems >= 1, seeds >= 1, direction +1 or -1")
+    z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
+    room = 1 - start if direction == 1 else start
+    for k in range(1, 1001):                       # the first change on a 0.001 grid that the read can see
+        d = room * k / 1000
+        end = start + direction * d
+        se = np.sqrt((start * (1 - start) + end * (1 - end) / seeds) / problems)
+        if d >= z * se:
+            return round(float(d), 3)
+    return round(float(room), 3)

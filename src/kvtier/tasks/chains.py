@@ -164,6 +164,19 @@ class Family:
         """The held-out set the eval and the README report (first `count` of a fixed sequence)."""
         return self.problems(EVAL_SEED, count, kind)
 
+    def selection_problems(self, count: int, kind: str) -> list[ChainProblem]:
+        """A selection set for choosing settings before the runs that judge them (an RL budget, a temperature):
+        its own stream, never one of the first SELECTION_EXCLUDES held-out problems (first `count` of a fixed
+        sequence)."""
+        held_out = {(p.y0, p.x0, p.n) for p in self.eval_problems(SELECTION_EXCLUDES, kind)}
+        rng = random.Random(f"{self.stream}/{kind}/{SELECTION_SEED}")
+        out: list[ChainProblem] = []
+        while len(out) < count:
+            p = self.sample_problem(rng, kind)
+            if (p.y0, p.x0, p.n) not in held_out:
+                out.append(p)
+        return out
+
     @property
     def max_trace_tokens(self) -> int:
         """The longest trace (the reasoner's tokenizer), eos not counted."""
@@ -184,6 +197,9 @@ class Family:
 # training script asserts no evaluation problem (a, x0, n, kind) appears in its data.
 TRAIN_SEED = 16
 EVAL_SEED = 1_000_016
+SELECTION_SEED = 2_000_016     # Family.selection_problems: settings are chosen there, never on held-out problems
+SELECTION_EXCLUDES = 1024      # ... and none of the first this-many held-out problems is in it
+SPLITS = ("heldout", "selection")
 
 CHAINS = Family("chains", N_RANGE, KEY_AT, "kvtier-reasoner", max_tokens=1200)   # the shipped reasoner's
 CHAINS_LONG = Family("chains-long", (250, 390), 160, "kvtier-reasoner/chains-long", max_tokens=4000)

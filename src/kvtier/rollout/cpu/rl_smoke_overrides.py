@@ -86,14 +86,17 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
               env_vars: dict[str, str], trainer: str = "v1", reward: Path | None = None,
               learner: str = "dense", learner_dtype: str = "fp32", ref_attention: str = "replay",
               full_share: float = 0.0, kl_coef: float | None = None, rollout: str = "kvtier",
-              rollout_dtype: str | None = None) -> list[str]:
+              rollout_dtype: str | None = None, temperature: float = 1.0) -> list[str]:
     """verl's Hydra overrides; `reward`: the file with `compute_score` (default: the toy task's reward);
     `learner`: dense, or replay (the actor scores each sample under its own eviction,
     kvtier.rollout.learner_replay); `learner_dtype`: the actor's and reference's compute dtype
     (LEARNER_DTYPES); `ref_attention` (replay only, REF_ATTENTIONS): how the reference policy scores;
     `full_share`: of each group, the share of samples generated at full attention; `kl_coef`: the KL loss's
     coefficient (default: kvtier_grpo.yaml's); `rollout` (ROLLOUTS): kvtier's engine or verl's own vLLM rollout;
-    `rollout_dtype`: the rollout engine's dtype (None: verl's, bfloat16)."""
+    `rollout_dtype`: the rollout engine's dtype (None: verl's, bfloat16); `temperature`: the rollout's sampling
+    temperature (verl's actor scores log-probs at the same one)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (GRPO samples its groups), not {temperature!r}")
     check_learner_dtype(learner_dtype)
     check_ref_attention(ref_attention, learner)
     check_rollout(rollout, budget=budget, learner=learner, full_share=full_share)
@@ -132,7 +135,7 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         f"{r}.log_prob_micro_batch_size_per_gpu={samples}",
         # rollout: kvtier (name, policy from the yaml), small K so eviction happens, hybrid sleep/wake
         f"{r}.n={n}",
-        f"{r}.temperature=1.0",
+        f"{r}.temperature={temperature}",
         *([f"{r}.dtype={rollout_dtype}"] if rollout_dtype else []),
         f"{r}.tensor_model_parallel_size=1",
         f"{r}.enforce_eager=true",
