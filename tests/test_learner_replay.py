@@ -280,6 +280,8 @@ def test_replay_memory_bench_measures_host_and_device_bytes_per_rank():
     assert 0 <= r["host_bytes_per_rank"] < HOST_LIMIT_BYTES and r["within_host_limit"]
     assert r["host_bytes_per_rank_cached_before"] == 32 * r["bytes_per_sample"]
     assert r["seconds_per_sample"] > 0
+    cp = r["critical_path"]                  # with the background workers: every sample derived once (+ a warm-up)
+    assert cp["prefetched"] + cp["derived_by_forwards"] == cp["settings"]["samples"] + 1
 
 
 def test_a_dense_update_would_break_the_ppo_kl_bound():

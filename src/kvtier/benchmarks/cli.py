@@ -226,14 +226,24 @@ def bench_replay_memory(
     batch: int = typer.Option(256, help="Samples per training batch."),
     ranks: int = typer.Option(1, help="Learner ranks sharing the batch (1: every sample on one rank)."),
     micro_batch: int = typer.Option(1, "--micro-batch", help="Samples per forward on a rank."),
+    forwards: int = typer.Option(3, help="Replayed forwards per step (reference, old log-probs, update)."),
+    store_bytes: Optional[int] = typer.Option(None, "--store-bytes", help="The death store's bound (default: "
+                                              "KVTIER_REPLAY_STORE_BYTES or 640 MiB)."),
+    workers: int = typer.Option(2, help="Background derivation workers for the critical-path figure (0: skip it)."),
+    pool: str = typer.Option("thread", help="The workers: thread or process."),
+    worker_samples: int = typer.Option(8, "--worker-samples", help="Samples in the critical-path step."),
+    device_seconds: float = typer.Option(0.0, "--device-seconds", help="Device time per sample's forward the "
+                                         "workers may overlap (0: none)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON here."),
 ) -> None:
-    """Learner replay's peak host and device bytes per rank, measured while one micro-batch's death tensor is
-    built (exit 1 when the host bytes reach 1 GiB)."""
+    """Learner replay's host seconds per sample and per step, and its peak host and device bytes per rank,
+    measured while one micro-batch's death tensor is derived and served (exit 1 when the host bytes reach 1 GiB)."""
     from .replay_memory import run_replay_memory_bench
 
     report = run_replay_memory_bench(layers=layers, kv_heads=kv_heads, tokens=tokens, prompt=prompt, budget=budget,
-                                     buffer=buffer, batch=batch, ranks=ranks, micro_batch=micro_batch)
+                                     buffer=buffer, batch=batch, ranks=ranks, micro_batch=micro_batch,
+                                     forwards=forwards, store_bytes=store_bytes, workers=workers, pool=pool,
+                                     worker_samples=worker_samples, device_seconds=device_seconds)
     _print_json(report)
     if out is not None:
         out.write_text(json.dumps(report, indent=2) + "\n")

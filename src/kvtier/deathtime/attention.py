@@ -81,9 +81,11 @@ def deathtime_attention(module, query: Tensor, key: Tensor, value: Tensor, atten
         out = (w @ value.float().repeat_interleave(Hq // H, dim=1)).to(query.dtype)
         return out.transpose(1, 2).contiguous(), w
     drop = dropout if module.training else 0.0
-    T = key.shape[2]
+    T, G = key.shape[2], Hq // H
     if attention_mask is not None and attention_mask.shape[-2] not in (1, q_len):
         raise ValueError(f"the model's mask has {attention_mask.shape[-2]} query rows; {q_len} queries")
+    # query head h * G + g reads KV head h: the mask is built once per KV head and each of the G query heads
+    # at stride G (a view) attends with it, so no [B, Hq, q, T] copy of the mask is made
     outs = []
     for a in range(0, q_len, QUERY_CHUNK):            # queries [a, b) see keys up to their last, T - q_len + b
         b = min(a + QUERY_CHUNK, q_len)
@@ -91,17 +93,16 @@ def deathtime_attention(module, query: Tensor, key: Tensor, value: Tensor, atten
         base = None if attention_mask is None else attention_mask[..., a:b, :end] if attention_mask.shape[-2] > 1 \
             else attention_mask[..., :end]
         vis = layer_mask(d_layer[..., :end], base, b - a)                       # [B, H, b - a, end]
-        if Hq != H:
-            vis = vis.repeat_interleave(Hq // H, dim=1)                       # [B, Hq, b - a, end]
-        outs.append(F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, :end], value[:, :, :end],
-                                                   attn_mask=vis, scale=scaling, dropout_p=drop, enable_gqa=True))
+        per_g = [F.scaled_dot_product_attention(query[:, g::G, a:b], key[:, :, :end], value[:, :, :end],
+                                                attn_mask=vis, scale=scaling, dropout_p=drop) for g in range(G)]
+        outs.append(torch.stack(per_g, dim=2).flatten(1, 2))                    # head h * G + g, as query's
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _flex(query, key, value, d_layer: Tensor, attention_mask, scaling) -> Tensor:
     """FlexAttention with a mask_mod reading the death tensor (no [T, T] mask in memory)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     B, Hq, T, _ = query.shape
     G = Hq // key.shape[1]
@@ -109,17 +110,38 @@ def _flex(query, key, value, d_layer: Tensor, attention_mask, scaling) -> Tensor
     if attention_mask is not None:                    # the model's [B, 1, T, T] bool mask: keep its key padding
         pad = attention_mask.to(torch.bool)[:, 0].any(dim=1)                    # [B, T] keys some query sees
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        ok = (kv_idx <= q_idx) & (q_idx < d_layer[b, h // G, kv_idx])
+    def kv_mask(b, h, q_idx, kv_idx):                 # h: the KV head
+        ok = (kv_idx <= q_idx) & (q_idx < d_layer[b, h, kv_idx])
         if pad is not None:
             ok = ok & pad[b, kv_idx]
         return ok | (q_idx == kv_idx)
 
+    block = kv_head_block_mask(kv_mask, B, key.shape[1], G, T, device=query.device,
+                               compile=query.device.type == "cuda")
     cuda = query.device.type == "cuda"
-    block = create_block_mask(mask_mod, B, Hq, T, T, device=query.device, _compile=cuda)
     out = _compiled_flex()(query, key, value, block_mask=block, scale=scaling, enable_gqa=True) if cuda else \
         flex_attention(query, key, value, block_mask=block, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous()
+
+
+def kv_head_block_mask(kv_mask, B: int, H: int, G: int, T: int, *, device, compile: bool = False):
+    """FlexAttention's BlockMask for B x (H * G) query heads from `kv_mask(b, kv_head, q, kv)`: the block
+    sparsity is computed over the H KV heads (a G-th of the mask_mod evaluations) and its block tables are
+    repeated for the G query heads of each group; the kernel's mask_mod, called with the query head h,
+    reads KV head h // G (flex indexes block tables by query head, modulo their head count)."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    kv_block = create_block_mask(kv_mask, B, H, T, T, device=device, _compile=compile)
+    if G == 1:
+        return kv_block
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_mask(b, h // G, q_idx, kv_idx)
+
+    rep = lambda t: None if t is None else t.repeat_interleave(G, dim=1)     # [B, H, ...] block tables
+    return BlockMask.from_kv_blocks(rep(kv_block.kv_num_blocks), rep(kv_block.kv_indices),
+                                    rep(kv_block.full_kv_num_blocks), rep(kv_block.full_kv_indices),
+                                    BLOCK_SIZE=kv_block.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=kv_block.seq_lengths)
 
 
 _COMPILED: list = []

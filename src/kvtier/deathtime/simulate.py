@@ -8,21 +8,28 @@ here equal the vLLM engine's and the reference engine's keep-sets (tests/test_de
 
 from __future__ import annotations
 
+from typing import Iterator
+
+import numpy as np
 import torch
 from torch import Tensor
 
 from kvtier.policies import EvictionContext, EvictionPolicy, EvictionSchedule
 from kvtier.policies.compaction import hole_fill_plan
-from kvtier.policies.keyed_random import keyed_victims, seed_key
+from kvtier.policies.keyed_random import seed_key
 from kvtier.policies.random import RandomPolicy
 
+from .keyed_host import keyed_victims_host
 from .record import NEVER
 
 
-def round_positions(schedule: EvictionSchedule, prompt_len: int, length: int) -> list[int]:
-    """query_position of every round a sequence of `length` positions (prompt + fed tokens) goes through."""
-    out, physical = [], prompt_len
-    for p in range(prompt_len, length):
+def round_positions(schedule: EvictionSchedule, prompt_len: int, length: int, start: int | None = None) -> list[int]:
+    """query_position of every round a sequence of `length` positions (prompt + fed tokens) goes through.
+    start: the cache was (re)built holding positions [0, start) (default: the prompt), as after a preempted
+    request's recompute; decode steps still count from the prompt (`prompt_len`), as in the engines."""
+    start = prompt_len if start is None else start
+    out, physical = [], start
+    for p in range(start, length):
         if schedule.due(physical, p - prompt_len, bool(out)):
             out.append(p - 1)
             physical = schedule.settled_len
@@ -30,48 +37,107 @@ def round_positions(schedule: EvictionSchedule, prompt_len: int, length: int) ->
     return out
 
 
+def round_shapes(schedule: EvictionSchedule, prompt_len: int, length: int,
+                 start: int | None = None) -> list[tuple[int, int, int, int]]:
+    """(query_position, cached entries at the round, candidates, evicted) of every round, in order."""
+    start = prompt_len if start is None else start
+    out, physical, appended = [], start, start
+    for qp in round_positions(schedule, prompt_len, length, start):
+        physical += qp + 1 - appended                    # the positions decoded since: one slot each
+        appended = qp + 1
+        e = schedule.num_evicted(physical)
+        out.append((qp, physical, schedule.num_candidates(physical), e))
+        physical -= e
+    return out
+
+
 def simulate_deaths(policy: EvictionPolicy, schedule: EvictionSchedule, prompt_len: int, length: int, *,
-                    num_layers: int, num_kv_heads: int, seed: int, heads: Tensor | None = None) -> Tensor:
+                    num_layers: int, num_kv_heads: int, seed: int, heads: Tensor | None = None,
+                    start: int | None = None, rounds_before: int = 0) -> Tensor:
     """[layers, kv_heads, length] int32 death times of one sample under `policy` at `schedule`.
 
     seed: the request's eviction seed (`kvtier_seed`). heads: the global KV head index of each head
     (tensor parallelism: the engine keys random's draw by global head; default 0..kv_heads-1).
-    Only policies that read nothing from the cache (`needs` empty) can be simulated."""
+    start, rounds_before: a cache rebuilt holding [0, start), every entry visible, after `rounds_before` rounds
+    (a preempted request's recompute: `kvtier.deathtime.segments`); defaults: the prompt, none.
+    Only policies that read nothing from the cache (`needs` empty) can be simulated. Every (layer, head)
+    row goes through a round at once (one [layers * kv_heads, ...] gather / scatter per round); `random`'s
+    draws for many rounds come from one call (`keyed_host`): they depend on the round, not on the cache."""
     if policy.needs:
         raise ValueError(f"policy {policy.name!r} reads {sorted(policy.needs)} from the cache: its evictions "
                          "depend on the model; record them from an engine (deaths_from_rounds)")
     policy.check_budget(schedule.budget, prompt_len)
     L, H = num_layers, num_kv_heads
+    R = L * H
     heads = torch.arange(H) if heads is None else heads
-    deaths = torch.full((L, H, length), NEVER, dtype=torch.int32)
-    cap = max(schedule.max_cached, prompt_len) + 1
-    slots = torch.full((L, H, cap), -1, dtype=torch.long)         # slot -> logical position
-    slots[:, :, :prompt_len] = torch.arange(prompt_len)
-    key = torch.tensor([seed_key(seed)])
+    # The state is numpy: its fancy indexing moves [rows, e] index sets several times faster than torch's CPU
+    # gather / scatter. rows[i, slot] holds the flat index into `deaths` of the position in that slot
+    # (i * length + position), so one read of the victims' slots gives where their deaths go.
+    deaths = np.full(R * length, NEVER, dtype=np.int32)
+    start = prompt_len if start is None else int(start)
+    cap = max(schedule.max_cached, start) + 1
+    base = np.arange(R, dtype=np.int64)[:, None]
+    rows = np.zeros((R, cap), dtype=np.int64)
+    rows[:, :start] = base * length + np.arange(start)       # a (re)built cache: chronological slots
+    row_at, slot_at = base * length, base * cap
+    flat = rows.reshape(-1)
+    shapes = round_shapes(schedule, prompt_len, length, start)
+    keyed = (_keyed_draws(policy, shapes, prompt_len, L, heads, seed, rounds_before)
+             if type(policy) is RandomPolicy else None)
     gen = torch.Generator().manual_seed(int(seed))
-    physical, appended = prompt_len, prompt_len          # entries cached, positions appended so far
-    for round_index, qp in enumerate(round_positions(schedule, prompt_len, length), start=1):
-        count = qp + 1 - appended                        # the positions decoded since: one slot each
-        slots[:, :, physical : physical + count] = torch.arange(appended, qp + 1)
-        physical, appended = physical + count, qp + 1
-        victims = _victims(policy, schedule, slots, physical, prompt_len, qp, key, round_index, heads, gen)
-        dead = slots.gather(2, victims)                               # [L, H, e] positions
-        deaths.scatter_(2, dead, torch.full(dead.shape, qp + 1, dtype=torch.int32))
-        for l in range(L):
-            plan = hole_fill_plan(victims[l], physical)
-            slots[l].scatter_(1, plan.dst, slots[l].gather(1, plan.src))
-        physical -= victims.shape[-1]
-        slots[:, :, physical:] = -1
-    return deaths
+    appended = start
+    for qp, n, n_cand, e in shapes:
+        rows[:, n - (qp + 1 - appended) : n] = row_at + np.arange(appended, qp + 1)
+        appended = qp + 1
+        if keyed is not None:
+            victims = next(keyed)
+        else:                                            # the generic policies read positions per (layer, head)
+            slots = torch.from_numpy(rows[:, :n] - row_at).view(L, H, n)
+            victims = _victims(policy, schedule, slots, n, prompt_len, qp, gen).reshape(R, e).numpy()
+        deaths[flat[victims + slot_at]] = qp + 1                      # the victims die at qp + 1
+        src, dst = _hole_fill(victims, n)
+        flat[dst + slot_at] = flat[src + slot_at]
+    return torch.from_numpy(deaths).view(L, H, length)
 
 
-def _victims(policy, schedule, slots, n, prompt_len, qp, key, round_index, heads, gen) -> Tensor:
-    """[L, H, e] evicted slots, ascending per head, exactly as the engines choose them."""
+def _hole_fill(victims: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) slots of `hole_fill_plan` for [rows, e] ascending victims of a cache of n entries. When no
+    victim lies in the tail [n - e, n) (the r newest are never candidates, so whenever e <= r) that plan is
+    the tail in order onto the holes in order, written here; otherwise hole_fill_plan itself."""
+    e = victims.shape[1]
+    if e == 0 or int(victims[:, -1].max()) < n - e:
+        return np.arange(n - e, n), victims
+    plan = hole_fill_plan(torch.from_numpy(victims), n)
+    return plan.src.numpy(), plan.dst.numpy()
+
+
+# scratch bytes per chunk of keyed draws (about 40 bytes per draw, 2e + 16 draws per row): ~64 MB at most
+_DRAW_CHUNK_BYTES = 64 << 20
+
+
+def _keyed_draws(policy, shapes, prompt_len, L, heads, seed, rounds_before=0) -> Iterator[np.ndarray]:
+    """[L * H, e] victims of each round in turn, drawn for runs of rounds of one shape at a time (the engines
+    key a round by its 1-based index over the request's life: `rounds_before` + its index here)."""
+    low, H = policy.protected_len(prompt_len), heads.shape[0]
+    request_key = seed_key(seed)
+    i = 0
+    while i < len(shapes):
+        _, _, n_cand, e = shapes[i]
+        per_round = L * H * 40 * (2 * e + 16)
+        j = i + 1
+        while j < len(shapes) and j - i < max(1, _DRAW_CHUNK_BYTES // per_round) and shapes[j][2:] == (n_cand, e):
+            j += 1
+        chunk = keyed_victims_host(request_key, torch.arange(i + 1, j + 1) + rounds_before, L, heads, low,
+                                   n_cand, e)
+        for r in range(j - i):
+            yield chunk[r].view(L * H, e).numpy()
+        i = j
+
+
+def _victims(policy, schedule, slots, n, prompt_len, qp, gen) -> Tensor:
+    """[L, H, e] evicted slots, ascending per head, exactly as the engines choose them (not `random`)."""
     L, H, _ = slots.shape
     n_cand, e = schedule.num_candidates(n), schedule.num_evicted(n)
-    if type(policy) is RandomPolicy:                     # the engines' keyed draw (worker_side / reference)
-        return keyed_victims(key, torch.tensor([round_index]), L, heads,
-                             torch.tensor([policy.protected_len(prompt_len)]), n_cand, e)[0]
     base = dict(budget=schedule.budget, prompt_len=prompt_len, query_position=qp, generator=gen)
     if policy.order_free:                                # one draw for every layer and head, slot order
         ctx = EvictionContext(positions=slots[:, :, :n_cand].reshape(L * H, n_cand), **base)

@@ -11,10 +11,10 @@ the cache it is served with, and the rollout's log-probs agree with the learner'
 of the request's keyed draw and schedule, so the learner re-derives the [layers, kv_heads, length] death
 tensor (`kvtier.deathtime.simulate_deaths`, equal to the engine's audit log: tests/test_rollout.py) instead
 of receiving ~37 MB per sample at Qwen3-4B shapes and 32k tokens. Nothing dense is kept for the batch: each
-forward re-derives its micro-batch's deaths one sample at a time on the host and writes them into the
-micro-batch's tensor on the learner's device (host peak: one sample's tensor and the simulation's scratch;
-`kvtier bench replay-memory`). A sample the learner cannot replay goes
-down the dense path and is counted (`replay_status`): full attention, a cache rebuilt mid-generation
+forward builds its micro-batch's deaths one sample at a time on the host, derived once per step (by background
+workers as soon as a forward receives its batch: `replay_prefetch`) and kept compactly in a bounded store
+(`replay_batch`), and writes them into the micro-batch's tensor on the learner's device (`kvtier bench
+replay-memory`). A sample the learner cannot replay goes down the dense path and is counted (`replay_status`): full attention, a cache rebuilt mid-generation
 (`rebuilt`: a preemption's recompute), several generate calls (`multi_call`: each turn drew its own
 evictions), a policy that reads the cache (`policy`), or no kvtier per-sample fields (`no_record`: the
 agent-loop manager is not kvtier's).
@@ -47,13 +47,14 @@ behaviour.
 
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import contextmanager
-from typing import Any, Mapping
+from typing import Any
 
-import torch
-from torch import Tensor
+from .replay_batch import (STORE_BYTES, batch_fields, micro_batch_deaths, prompt_lengths, replay_store,  # noqa: F401
+                           sample_deaths, stored_sample_deaths)
+from .replay_prefetch import current_store, prefetch_batch
+from .replay_status import FIELDS, REPLAYABLE_POLICIES, STATUSES, replay_status  # noqa: F401
 
 logger = logging.getLogger("kvtier.rollout")
 
@@ -61,10 +62,6 @@ MODEL_TYPE = "kvtier_replay"
 FULL_REF_MODEL_TYPE = "kvtier_replay_full_ref"     # the actor replays; the reference scores at full attention
 MODEL_TYPES = (MODEL_TYPE, FULL_REF_MODEL_TYPE)
 BASE_MODEL_TYPE = "language_model"
-REPLAYABLE_POLICIES = ("random",)       # policies whose records are re-derived (and tested equal to the engine's)
-STATUSES = ("replayed", "full", "rebuilt", "multi_call", "policy", "no_record")
-FIELDS = ("kvtier_budget", "kvtier_seed", "kvtier_buffer", "kvtier_policy", "kvtier_policy_params",
-          "kvtier_preemptions", "kvtier_generate_calls")
 
 
 class ReplayConfigError(ValueError):
@@ -79,103 +76,6 @@ def check_learner_config(learner: str, model_type: str | None) -> None:
             f"actor_rollout_ref.rollout.custom.kvtier.learner={learner} but actor_rollout_ref.model.model_type="
             f"{model_type}: learner replay needs model_type={MODEL_TYPE} or {FULL_REF_MODEL_TYPE} (the engines "
             f"that replay), and those engines need learner=replay")
-
-
-def replay_status(fields: Mapping[str, Any]) -> str:
-    """How the learner scores one sample, from its per-sample fields (one of STATUSES)."""
-    if fields.get("kvtier_budget") is None:
-        return "full"
-    if fields.get("kvtier_seed") is None or fields.get("kvtier_generate_calls") is None:
-        return "no_record"
-    if int(fields.get("kvtier_preemptions") or 0) > 0:
-        return "rebuilt"
-    if int(fields["kvtier_generate_calls"]) > 1:
-        return "multi_call"
-    if fields.get("kvtier_policy") not in REPLAYABLE_POLICIES:
-        return "policy"
-    return "replayed"
-
-
-def sample_deaths(fields: Mapping[str, Any], prompt_len: int, length: int, num_layers: int,
-                  num_kv_heads: int) -> Tensor | None:
-    """[layers, kv_heads, length] int32 death times of a replayed sample; None for the dense path."""
-    if replay_status(fields) != "replayed":
-        return None
-    from kvtier.deathtime import simulate_deaths
-    from kvtier.policies import EvictionSchedule, make_policy
-
-    # Not cached: at 32k tokens a sample's tensor is ~37 MB, a 256-sample batch's ~9.6 GB of host memory.
-    # Re-deriving costs ~1.3 s per 32k sample on one CPU core (old log-probs, then each PPO epoch).
-    policy = make_policy(str(fields["kvtier_policy"]), **json.loads(fields.get("kvtier_policy_params") or "{}"))
-    return simulate_deaths(policy, EvictionSchedule(int(fields["kvtier_budget"]), int(fields["kvtier_buffer"])),
-                           int(prompt_len), int(length), num_layers=int(num_layers), num_kv_heads=int(num_kv_heads),
-                           seed=int(fields["kvtier_seed"]))
-
-
-def batch_fields(micro_batch) -> list[dict[str, Any]]:
-    """Each sample's kvtier fields from a verl micro-batch: the v1 trainer's `extra_fields` column (one dict per
-    sample) or the v0 trainer's one column per key (DataProto's non-tensor batch)."""
-    keys = set(micro_batch.keys())
-    n = micro_batch.batch_size[0]
-    if "extra_fields" in keys:
-        col = _as_list(micro_batch["extra_fields"])
-        return [{k: (row or {}).get(k) for k in FIELDS} for row in col]
-    cols = {k: _as_list(micro_batch[k]) for k in FIELDS if k in keys}
-    return [{k: cols[k][b] if k in cols else None for k in FIELDS} for b in range(n)]
-
-
-def _as_list(value) -> list:
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    return list(value)
-
-
-def prompt_lengths(micro_batch) -> list[int]:
-    """Each sample's prompt length: the v1 trainer keeps `prompts` as a nested (jagged) tensor; the v0
-    trainer's batch has the left-padded prompt's ones in `attention_mask` before the response columns."""
-    keys = set(micro_batch.keys())
-    if "prompts" in keys and micro_batch["prompts"].is_nested:
-        return micro_batch["prompts"].offsets().diff().tolist()
-    if "attention_mask" in keys and "response_mask" in keys and not micro_batch["attention_mask"].is_nested:
-        attn, resp = micro_batch["attention_mask"], micro_batch["response_mask"]
-        responses = int(micro_batch.get_non_tensor("max_response_len")) if resp.is_nested else resp.shape[-1]
-        return [int(x) for x in attn[:, : attn.shape[-1] - responses].sum(-1).tolist()]
-    raise ValueError(f"kvtier learner replay: no prompt lengths in the micro-batch (keys: {sorted(keys)})")
-
-
-def micro_batch_deaths(micro_batch, width: int, *, packed: bool, num_layers: int, num_kv_heads: int,
-                       device: torch.device | str = "cpu") -> tuple[Tensor | None, dict[str, int]]:
-    """The death tensor for one forward of verl's engine, on `device`, and how many samples took each path.
-
-    padded (use_remove_padding=false): [B, layers, kv_heads, width], sample b in columns 0..len_b-1;
-    packed (true): [1, layers, kv_heads, width], sample b at its cu_seqlens offset and every key dead at its
-    segment's end. None when no sample is replayed (the layer runs plain SDPA). Samples are simulated one at
-    a time on the host and copied in: the host holds one sample's tensor at a time."""
-    from kvtier.deathtime import NEVER
-
-    fields = batch_fields(micro_batch)
-    offsets = micro_batch["input_ids"].offsets().tolist()
-    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    statuses = [replay_status(f) for f in fields]
-    counts = {s: statuses.count(s) for s in STATUSES}
-    if "replayed" not in statuses:
-        return None, counts
-    prompts = prompt_lengths(micro_batch)
-    out = torch.full((1 if packed else len(fields), num_layers, num_kv_heads, width), NEVER, dtype=torch.int32,
-                     device=device)
-    for b, (f, status) in enumerate(zip(fields, statuses)):
-        start = offsets[b] if packed else 0
-        end = start + lengths[b]
-        row = out[0 if packed else b, :, :, start:end]
-        if status != "replayed":
-            if packed:
-                row.fill_(end)                          # full attention inside its own segment only
-            continue
-        rec = sample_deaths(f, prompts[b], lengths[b], num_layers, num_kv_heads)
-        shifted = torch.where(rec == NEVER, rec, rec + start)
-        row.copy_(shifted.clamp(max=end) if packed else shifted)
-        del rec, shifted
-    return out, counts
 
 
 LEARNER_METRICS = "actor/kvtier_replay"
@@ -200,9 +100,13 @@ def check_engine_config(model_config, engine_config) -> None:
                                 "death times")
     sp = int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
     if sp > 1:
+        # verl 0.9.1's Ulysses (models/transformers/monkey_patch.apply_monkey_patch) puts its all-to-all into
+        # transformers' flash-attention path only; gloo has all_to_all, so CPU is not what is missing (docs/rl.md)
         raise ReplayConfigError(f"model_type={MODEL_TYPE}: actor_rollout_ref.actor.ulysses_sequence_parallel_size="
-                                f"{sp} is not supported (the death tensor is not split across sequence shards); "
-                                "set it to 1")
+                                f"{sp} is not supported: verl's Ulysses swaps sequence shards for head shards only "
+                                "inside transformers' flash-attention path (transformers.integrations.flash_attention."
+                                f"_flash_attention_forward), not in {ATTN_NAME}, so each rank would attend within its "
+                                "own sequence shard; set it to 1")
 
 
 def replay_engine_class(base: type) -> type:
@@ -240,6 +144,18 @@ def replay_engine_class(base: type) -> type:
                 finally:
                     self._adapter_disabled = False
 
+        def _shape(self) -> tuple[int, int]:
+            hf = self.model_config.hf_config
+            return hf.num_hidden_layers, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+
+        def forward_backward_batch(self, data, loss_function, forward_only=False):
+            """verl's loop over the batch's micro-batches, after queueing every replayed sample of the batch for
+            the background workers (`replay_prefetch`): the micro-batches' forwards then wait only for samples
+            not derived yet."""
+            if not self.scores_at_full_attention():
+                prefetch_batch(data, *self._shape())
+            return super().forward_backward_batch(data, loss_function, forward_only)
+
         def prepare_model_inputs(self, micro_batch):
             from kvtier.deathtime.attention import DEATHS_KWARG
 
@@ -247,12 +163,11 @@ def replay_engine_class(base: type) -> type:
             if self.scores_at_full_attention():
                 self._replay_counts = None
                 return model_inputs, output_args
-            hf = self.model_config.hf_config
             ids = model_inputs["input_ids"]
+            layers, heads = self._shape()
             deaths, counts = micro_batch_deaths(
-                micro_batch, ids.shape[-1], packed=model_inputs.get("attention_mask") is None,
-                num_layers=hf.num_hidden_layers,
-                num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads, device=ids.device)
+                micro_batch, ids.shape[-1], packed=model_inputs.get("attention_mask") is None, num_layers=layers,
+                num_kv_heads=heads, device=ids.device, store=current_store())
             if not self._replay_logged:                  # one line: replay is on, and what it found
                 self._replay_logged = True
                 logger.warning("kvtier learner replay: first micro-batch (%s, %d columns): %s", "packed" if
