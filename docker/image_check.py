@@ -41,6 +41,23 @@ def installed() -> dict[str, str]:
     return {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
 
 
+def recipe_attention() -> str:
+    """The RL image has the attention implementation the GPU recipe (docs/rl.md) asks for: transformers builds a
+    model with it on the meta device (no memory, no GPU). verl's default, flash_attention_2, would need
+    flash-attn, which the image does not install."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from kvtier.deathtime import register
+    from kvtier.rollout.verl_config import GPU_RECIPE, compose_config
+
+    attn = compose_config(config_name=GPU_RECIPE).actor_rollout_ref.model.override_config.attn_implementation
+    register()
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(Qwen3Config(num_hidden_layers=1), attn_implementation=attn)
+    return f"{GPU_RECIPE}'s attention ({attn})"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--extras", required=True, help="the extras the image installed, comma-separated")
@@ -71,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
 
         replica = RolloutReplicaRegistry.get("kvtier")
         done.append(f"verl {verl.__version__} (rollout.name=kvtier -> {replica.__module__}.{replica.__name__})")
+        done.append(recipe_attention())
     print("image check passed:", "; ".join(done))
 
 

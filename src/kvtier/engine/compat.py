@@ -1,6 +1,8 @@
-"""Every read or write of vLLM 0.31 private state kvtier makes, as named helpers (pinned version checked at
-start-up by `plugin.check_vllm_version`). If vLLM renames one of these attributes, this is the one file
-to change. The patches that call these are listed in `patches.py`.
+"""Every read or write of vLLM private state kvtier makes, as named helpers, for each supported vLLM minor
+(versions.TESTED: 0.31 and 0.32; the installed one is checked at start-up by `plugin.check_vllm_version`).
+Where the minors differ, the helper picks by `versions.installed_minor()` from a table keyed by minor
+(`_ROW_BLOCKS`). If vLLM renames one of these attributes, this is the one file to change; surface.py counts
+what each helper touches. The patches that call these are listed in `patches.py`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,10 @@ import functools
 
 import numpy as np
 import torch
+
+from .versions import installed_minor
+
+_minor = functools.cache(installed_minor)
 
 # -- scheduler process -------------------------------------------------------------------------------
 
@@ -42,12 +48,6 @@ def free_tail_blocks(scheduler, req_id: str, keep_blocks: int) -> int:
         manager.num_cached_block[req_id] = min(manager.num_cached_block[req_id], keep_blocks)
     scheduler.kv_cache_manager.block_pool.free_blocks(reversed(tail))
     return len(tail)
-
-
-def skip_prefix_cache_reads(request) -> None:
-    """vLLM's per-request switch that makes `KVCacheManager.get_computed_blocks` return no hit (the one
-    prompt-logprob requests set; the request is then not counted in the prefix-cache queries either)."""
-    request.skip_reading_prefix_cache = True
 
 
 def truncate_hit(kv_cache_manager, blocks, num_tokens: int):
@@ -91,10 +91,11 @@ def pool_counts(scheduler) -> tuple[int, int]:
     return pool.get_num_free_blocks(), pool.num_gpu_blocks - 1
 
 
-def step_limits(scheduler) -> tuple[int, int]:
-    """(tokens one step may schedule, requests that may run at once): vLLM's max_num_batched_tokens and
-    max_num_seqs as the scheduler holds them."""
-    return scheduler.max_num_scheduled_tokens, scheduler.max_num_running_reqs
+def step_limits(scheduler_config) -> tuple[int, int]:
+    """(tokens one step may schedule, requests that may run at once), from vLLM's public SchedulerConfig as
+    the Scheduler derives them (max_num_scheduled_tokens, else max_num_batched_tokens; max_num_seqs)."""
+    tokens = getattr(scheduler_config, "max_num_scheduled_tokens", None) or scheduler_config.max_num_batched_tokens
+    return int(tokens), int(scheduler_config.max_num_seqs)
 
 
 def waiting_head(scheduler):
@@ -163,11 +164,17 @@ def truncate_request_blocks(runner, req_id: str, keep_blocks: int) -> None:
     if row is None:
         return
     for bt in runner.input_batch.block_table.block_tables:
-        n = keep_blocks * bt.blocks_per_kv_block
+        n = keep_blocks * _ROW_BLOCKS[_minor()](bt)
         old = int(bt.num_blocks_per_row[row])
         if old > n:
             bt.block_table.np[row, n:old] = 0
             bt.num_blocks_per_row[row] = n
+
+
+# Entries of a block-table row per KV-manager block: vLLM 0.31 splits manager blocks into attention-kernel
+# blocks in the row (`BlockTable.blocks_per_kv_block`); 0.32 keeps manager blocks in the row and maps kernel
+# blocks in each attention group (vllm/v1/worker/utils.py `map_to_kernel_block_table`).
+_ROW_BLOCKS = {"0.31": lambda bt: bt.blocks_per_kv_block, "0.32": lambda bt: 1}
 
 
 def kv_cache_group(runner):
@@ -175,9 +182,14 @@ def kv_cache_group(runner):
 
 
 def attention_layers(runner) -> dict:
-    """Layer name -> vLLM Attention module, for the KV cache group's layers."""
-    ctx = runner.compilation_config.static_forward_context
-    return {name: ctx[name] for name in kv_cache_group(runner).layer_names}
+    """Layer name -> vLLM Attention module, for the KV cache group's layers in the group's order (vLLM's public
+    `get_layers_from_vllm_config`, which plugins and attention backends use)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    names = kv_cache_group(runner).layer_names
+    found = get_layers_from_vllm_config(runner.vllm_config, AttentionLayerBase, names)
+    return {name: found[name] for name in names}
 
 
 def attention_backend_name(runner) -> str:
@@ -216,86 +228,6 @@ def tensor_parallel(runner) -> tuple[int, int]:
         return 0, 1
 
 
-# -- Serve engine replica: vLLM's stat loggers -------------------------------------------------------
-
-
-def stat_logger_manager(engine_client):
-    """The AsyncLLM's StatLoggerManager (None when stats are off: disable_log_stats)."""
-    return getattr(engine_client, "logger_manager", None)
-
-
-def in_flight_requests(engine_client) -> int | None:
-    """Requests the AsyncLLM frontend has sent to its engine core and not seen finish (None if unknown)."""
-    processor = getattr(engine_client, "output_processor", None)
-    return len(getattr(processor, "request_states", ())) if processor is not None else None
-
-
-def stat_loggers(manager) -> list:
-    """The manager's loggers, in the order it calls them each step; kvtier appends to it in place."""
-    return manager.stat_loggers
-
-
-def replace_prometheus_logger(manager, stat_logger) -> None:
-    """`stat_logger` in place of the manager's Prometheus loggers (vLLM adds its prometheus_client one, which
-    Ray does not export, when none was given), after the others."""
-    from vllm.v1.metrics.loggers import PrometheusStatLogger
-
-    loggers = stat_loggers(manager)
-    loggers[:] = [x for x in loggers if not isinstance(x, PrometheusStatLogger)]
-    loggers.append(stat_logger)
-
-
-def engine_indexes(manager) -> list[int]:
-    return list(manager.engine_indexes)
-
-
-@functools.cache
-def ray_stat_logger_tagged(tag: str, value: str):
-    """vLLM's RayPrometheusStatLogger with one more tag, `tag` = `value`, on every series, after vLLM's own tag
-    keys (its label names, then ReplicaId). vLLM builds each series through the class attributes it names
-    (_gauge_cls, _counter_cls, ...), so the tag is added where Ray's metric is declared."""
-    from vllm.v1.metrics.ray_wrappers import (RayCounterWrapper, RayGaugeWrapper, RayHistogramWrapper,
-                                              RayKVConnectorProm, RayPerfMetricsProm, RayPrometheusMetric,
-                                              RayPrometheusStatLogger, RaySpecDecodingProm)
-
-    class Tagged(RayPrometheusMetric):
-        @staticmethod
-        def _get_tag_keys(labelnames: list[str] | None) -> tuple[str, ...]:
-            return (*RayPrometheusMetric._get_tag_keys(labelnames), tag)
-
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self._tags[tag] = value
-
-        def _build_tags(self, *labels, **labelskwargs) -> dict[str, str]:
-            if labels:  # vLLM's label values in the order of its label names (ReplicaId and `tag` follow)
-                expected = len(self.metric._tag_keys) - 2
-                if len(labels) != expected:
-                    raise ValueError(f"Number of labels must match the number of tag keys. Expected {expected}, "
-                                     f"got {len(labels)}")
-                labelskwargs.update(zip(self.metric._tag_keys, labels))
-            return {**super()._build_tags(**labelskwargs), tag: value}
-
-    class Gauge(Tagged, RayGaugeWrapper):
-        pass
-
-    class Counter(Tagged, RayCounterWrapper):
-        pass
-
-    class Histogram(Tagged, RayHistogramWrapper):
-        pass
-
-    class SpecDecoding(RaySpecDecodingProm):
-        _counter_cls = Counter
-
-    class KVConnector(RayKVConnectorProm):
-        _gauge_cls, _counter_cls, _histogram_cls = Gauge, Counter, Histogram
-
-    class PerfMetrics(RayPerfMetricsProm):
-        _counter_cls = Counter
-
-    class TaggedRayPrometheusStatLogger(RayPrometheusStatLogger):
-        _gauge_cls, _counter_cls, _histogram_cls = Gauge, Counter, Histogram
-        _spec_decoding_cls, _kv_connector_cls, _perf_metrics_cls = SpecDecoding, KVConnector, PerfMetrics
-
-    return TaggedRayPrometheusStatLogger
+# -- Serve engine replica: vLLM's stat loggers (compat_serve.py; re-exported for kvtier.service) ----------
+from .compat_serve import (engine_indexes, in_flight_requests, ray_stat_logger_tagged,  # noqa: E402,F401
+                           replace_prometheus_logger, stat_logger_manager, stat_loggers)

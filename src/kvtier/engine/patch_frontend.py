@@ -5,7 +5,8 @@ Each function takes vLLM's original and returns its replacement, which calls the
 0.31: `EngineArgs.create_engine_config` raises ValueError with vLLM's Model Runner V2 advice
 (support.V2_ADVICE) for settings that need it; `InputProcessor.process_inputs(request_id, prompt, params,
 ...)` returns the EngineCoreRequest (with prompt_token_ids) and raises VLLMValidationError with that advice
-for request parameters that need V2 (e.g. prompt_logprob_token_ids); `OutputProcessor.process_outputs(
+for request parameters that need V2 (e.g. prompt_logprob_token_ids), and carries the request's public
+SamplingParams (which kvtier may switch to skip_reading_prefix_cache); `OutputProcessor.process_outputs(
 engine_core_outputs, ...)` with `request_states` by internal request id.
 """
 
@@ -46,6 +47,9 @@ def process_inputs(orig):
             raise KVTierRequestError(v2_refusal(str(exc)), parameter=getattr(exc, "parameter", None)) from exc
 
         validate_engine_request(self.vllm_config, request)
+        from .scheduler_side import skip_prefix_cache_reads
+
+        skip_prefix_cache_reads(self.vllm_config, request)
         return request
     return process_inputs
 

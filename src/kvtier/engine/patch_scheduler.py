@@ -31,6 +31,7 @@ def scheduler_init(orig):
             self._kvtier = SchedulerEviction(cfg, group.kv_cache_spec.block_size, kv_cache_config.num_blocks - 1)
             from . import compat
 
+            self._kvtier.limits = compat.step_limits(vllm_config.scheduler_config)
             compat.attach_to_kv_cache_manager(self, self._kvtier)
     return __init__
 

@@ -1,6 +1,8 @@
-"""Every change kvtier makes to vLLM, in one place. Pinned to vLLM 0.31.0 (checked at start-up).
+"""Every change kvtier makes to vLLM, in one place, for each supported release (versions.TESTED: 0.31.0 and
+0.32.0, checked at start-up by plugin.check_vllm_version; the same 20 functions in both).
 
-`PATCHES` lists each patch: the vLLM function it wraps, why, and what it assumes about vLLM 0.31. The
+`PATCHES` lists each patch: the vLLM function it wraps, why, and what it assumes about vLLM (0.31 and 0.32
+alike; where they differ, compat.py keys the difference by minor). The
 replacements themselves live by the vLLM seam they patch: patch_frontend.py (EngineArgs, InputProcessor),
 patch_scheduler.py (Scheduler), patch_kv_cache.py (KVCacheManager, KVCacheCoordinator: allocation and the
 prefix cache), patch_worker.py (GPUModelRunner, the workers' wake_up, VllmConfig.use_v2_model_runner, the
@@ -24,10 +26,11 @@ from . import patch_scheduler as scheduler
 from . import patch_shm as shm
 from . import patch_worker as worker
 from .patch_shm import SHM_SPIN_ENV  # noqa: F401  (kvtier.service sets it for its engines' processes)
+from .versions import DEFAULT
 
 logger = logging.getLogger("kvtier.engine")
 
-PINNED_VLLM = "0.31.0"
+PINNED_VLLM = DEFAULT   # the release the images and the default environment install (versions.DEFAULT)
 _INSTALLED = False
 
 

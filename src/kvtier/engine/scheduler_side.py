@@ -48,6 +48,21 @@ def prefix_cache_caps(spec: EvictionSpec, prompt_len: int, block_size: int) -> t
     return cache, read
 
 
+def skip_prefix_cache_reads(vllm_config, request) -> None:
+    """In the frontend, for an EngineCoreRequest: a compressed request that may read no cached block
+    (prefix_cache_caps) asks vLLM to skip its prefix-cache lookup through the public per-request switch
+    `SamplingParams.skip_reading_prefix_cache` (no hit, no query counted; the one prompt-logprob requests
+    set). The scheduler's cap (`SchedulerEviction.readable_tokens`) holds regardless."""
+    cfg = EngineEvictionConfig.from_vllm(vllm_config)
+    sp = getattr(request, "sampling_params", None)
+    if cfg is None or sp is None:
+        return
+    spec = resolve_request_spec(cfg.default, sp.extra_args)
+    if (spec.compressed or spec.elastic) and prefix_cache_caps(
+            spec, len(request.prompt_token_ids or ()), vllm_config.cache_config.block_size)[1] == 0:
+        sp.skip_reading_prefix_cache = True
+
+
 @dataclass
 class RequestEviction:
     spec: EvictionSpec
@@ -73,6 +88,9 @@ class SchedulerEviction:
     cfg: EngineEvictionConfig
     block_size: int
     pool_blocks: int
+    # (tokens a step may schedule, requests that may run at once): from vLLM's public SchedulerConfig at
+    # start-up (patch_scheduler.scheduler_init, compat.step_limits); unbounded until then
+    limits: tuple[int, int] = (1 << 30, 1 << 30)
     states: dict[str, RequestEviction] = field(default_factory=dict)
     pending: dict[str, CompactionOp] = field(default_factory=dict)
     resets: dict[str, int] = field(default_factory=dict)
@@ -101,8 +119,6 @@ class SchedulerEviction:
                 spec, request.num_prompt_tokens,
                 bound.max_blocks(request.num_prompt_tokens, max_tokens, self.block_size), cache_cap, read_cap,
                 floor_spec=floor_spec)
-            if read_cap == 0:
-                compat.skip_prefix_cache_reads(request)   # vLLM's own per-request skip (no hit, no query counted)
 
     def cacheable_tokens(self, request_id: str, num_tokens: int) -> int:
         """How many of a request's first `num_tokens` tokens may enter the prefix cache."""
@@ -169,7 +185,7 @@ class SchedulerEviction:
         preempt), then for the next waiting request's prompt when a seat is free (only if tightening can
         make it fit)."""
         bs = self.block_size
-        tokens, seats = compat.step_limits(scheduler)
+        tokens, seats = self.limits
         needs = {}
         for request in scheduler.running:
             st = self.states.get(request.request_id)
