@@ -98,15 +98,18 @@ def test_router_metrics_count_tokens_latency_and_hang_ups_per_tier(monkeypatch):
     m.finished("k64", 0.5, None)        # an engine that reported no usage: latency only
     m.finished("k64", 2.2, {"completion_tokens": 11}, first_token_s=0.2)   # a stream: 10 tokens after the first
     m.finished("k64", 0.3, {"completion_tokens": 1}, first_token_s=0.3)    # one token: no time per token
-    m.finished("elastic", 1.0, {"completion_tokens": 5, "kvtier": {"budget": 256, "floor": 256}})  # tightened
+    m.finished("elastic", 1.0, {"completion_tokens": 5, "kvtier": {"budget": 256, "floor": 256,
+                                                                  "evicted_tokens": 700}})  # tightened
     m.finished("elastic", 1.0, {"completion_tokens": 5, "kvtier": {"budget": None, "floor": 256}})  # full to the end
     m.cancelled("full")
     m.rejection(401, "unauthorized")
     m.rejection(503, "engine-unavailable", "k64")
     snap = m.snapshot()
-    assert snap["tiers"] == {"full": {"finished": 0, "prompt_tokens": 0, "generation_tokens": 0, "cancelled": 1},
-                             "k64": {"finished": 4, "prompt_tokens": 12, "generation_tokens": 42, "cancelled": 0},
-                             "elastic": {"finished": 2, "prompt_tokens": 0, "generation_tokens": 10, "cancelled": 0}}
+    zero = {"tokens_evicted": 0}
+    assert snap["tiers"] == {"full": {"finished": 0, "prompt_tokens": 0, "generation_tokens": 0, "cancelled": 1, **zero},
+                             "k64": {"finished": 4, "prompt_tokens": 12, "generation_tokens": 42, "cancelled": 0, **zero},
+                             "elastic": {"finished": 2, "prompt_tokens": 0, "generation_tokens": 10, "cancelled": 0,
+                                         "tokens_evicted": 700}}
     assert snap["final_budgets"] == [{"tier": "elastic", "budget": "256", "count": 1},
                                      {"tier": "elastic", "budget": "full", "count": 1}]
     c = fake.calls
@@ -114,6 +117,7 @@ def test_router_metrics_count_tokens_latency_and_hang_ups_per_tier(monkeypatch):
     assert c["kvtier_router_final_budget"] == [("inc", 1, {"tier": "elastic", "budget": "256"}),
                                                ("inc", 1, {"tier": "elastic", "budget": "full"})]
     assert c["kvtier_router_prompt_tokens"] == [("inc", 12, {"tier": "k64"})]
+    assert c["kvtier_router_tokens_evicted"] == [("inc", 700, {"tier": "elastic"})]   # evictions per tier
     assert [v for _, v, _ in c["kvtier_router_request_latency_seconds"]] == [1.5, 0.5, 2.2, 0.3, 1.0, 1.0]
     assert c["kvtier_router_tpot_seconds"] == [("observe", pytest.approx(0.2), {"tier": "k64"})]
     assert c["kvtier_router_ttft_seconds"] == [("observe", 0.2, {"tier": "k64"})]
@@ -135,16 +139,23 @@ def test_router_exports_open_mode_and_keeps_it_fresh(monkeypatch):
         attr: fake.Gauge(by_name(name).ray_name, tag_keys=by_name(name).labels)
         for attr, (name, _) in service_metrics._RAY_METRICS.items()})
 
+    engines = {"engine-a": (True, 0), "engine-b": (True, 1)}
+
     async def run(open_mode: bool) -> None:
-        task = service_metrics.RouterMetrics().keep_open_mode(open_mode, every_s=0.01)
+        task = service_metrics.RouterMetrics().keep_gauges(open_mode, every_s=0.01, engines=lambda: dict(engines))
         await asyncio.sleep(0.055)
         task.cancel()
 
     asyncio.run(run(True))
+    engines["engine-b"] = (False, 3)      # every replica of b errored: its alert's input goes to 0
     asyncio.run(run(False))
     sets = fake.calls[by_name("ray_kvtier_router_open_mode").ray_name]
     assert len(sets) >= 6 and {v for _, v, _ in sets} == {1.0, 0.0} and all(t == {} for _, _, t in sets)
     assert sets[0][1] == 1.0 and sets[-1][1] == 0.0
+    healthy = fake.calls[by_name("ray_kvtier_router_engine_healthy").ray_name]
+    errored = fake.calls[by_name("ray_kvtier_router_engine_replicas_errored").ray_name]
+    last = {t["deployment"]: v for _, v, t in healthy}
+    assert last == {"engine-a": 1.0, "engine-b": 0.0} and {t["deployment"]: v for _, v, t in errored}["engine-b"] == 3
 
 
 def test_rollout_exporter_records_each_sample_under_catalog_names():

@@ -11,6 +11,7 @@ import copy
 import functools
 import importlib
 import inspect
+import json
 import os
 import re
 import shutil
@@ -193,7 +194,7 @@ def test_serve_config_is_a_ray_serve_config_with_kvtier_args(target):
     assert cfg.server.port == schema.http_options.port
     for name, tenant in cfg.tenants.items():
         assert not tenant.api_keys, f"tenant {name}: API keys belong in the Secret, not in the manifest"
-        assert tenant.api_keys_env, f"tenant {name}: api_keys_env missing"
+        assert tenant.api_keys_file and not tenant.api_keys_env, f"tenant {name}: keys from the Secret's file"
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -203,13 +204,11 @@ def test_serve_config_never_runs_open(target, monkeypatch):
     from kvtier.service.config import ConfigError, parse_config
 
     args = serve_config(target)["applications"][0]["args"]
-    envs = sorted({t.get("api_keys_env") for t in args.get("tenants", {}).values()} - {None})
-    for env in envs:
-        monkeypatch.delenv(env, raising=False)
+    files = sorted({t.get("api_keys_file") for t in args.get("tenants", {}).values()} - {None})
     cfg = parse_config(args, target)
     assert cfg.server.auth == "keys" and not cfg.open_mode
-    assert envs, "no tenant with keys configured"
-    with pytest.raises(ConfigError, match=f"api_keys_env ({'|'.join(envs)}) is not set"):
+    assert files, "no tenant with keys configured"
+    with pytest.raises(ConfigError, match=f"api_keys_file ({'|'.join(map(re.escape, files))}) cannot be read"):
         cfg.api_keys()
 
 
@@ -237,8 +236,13 @@ def test_serve_config_is_the_overlay_file(target):
 def test_every_overlay_declares_the_source_of_its_serve_config():
     from kvtier.service import k8s_config
 
-    on_disk = {p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists()}
+    on_disk = {p.name for p in (K8S / "overlays").iterdir() if (p / "serve-config.yaml").exists()}
     assert set(k8s_config.load_overlays(REPO)) == set(OVERLAYS) == on_disk
+    # an overlay without a serve config of its own composes one that has it (gpu-ha: gpu + GCS fault tolerance)
+    for p in (K8S / "overlays").iterdir():
+        if (p / "kustomization.yaml").exists() and p.name not in on_disk:
+            kust = yaml.safe_load((p / "kustomization.yaml").read_text())
+            assert any(r.startswith("../") and r[3:] in on_disk for r in kust["resources"]), p.name
     for ov in k8s_config.load_overlays(REPO).values():
         assert ov.source.parent == CONFIGS and (REPO / ov.source).is_file(), ov
 
@@ -385,24 +389,35 @@ def test_kuberay_injected_containers_are_bounded_too(target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_api_keys_come_from_a_secret(target):
+def test_api_keys_come_from_a_secret_held_only_by_the_router_pods(target):
+    """The Secret kvtier-api-keys is mounted as files (re-read on change) on the router group alone, the one
+    the router replicas are placed on (server.router_resources); the head and the engine pods hold no key."""
     objs = render(target)
     cfg = serve_config(target)["applications"][0]["args"]
-    envs = {t["api_keys_env"] for t in cfg["tenants"].values()}
+    files = {t["api_keys_file"] for t in cfg["tenants"].values()}
+    rc = one(objs, "RayService")["spec"]["rayClusterConfig"]
     for where, pod in pod_templates(one(objs, "RayService")):
         c = pod["spec"]["containers"][0]
-        refs = [e["secretRef"] for e in c.get("envFrom", []) if "secretRef" in e]
-        assert {"name": "kvtier-api-keys"} in refs, f"{where}: envFrom Secret kvtier-api-keys"
-        assert not any(e["name"] in envs and "value" in e for e in c.get("env", [])), where
-    secrets = [o for o in objs if o["kind"] == "Secret"]
+        assert not any("secretRef" in e for e in c.get("envFrom", [])), f"{where}: no keys in the environment"
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["spec"].get("volumes", []) if "secret" in v}
+        mounts = {m["name"]: m for m in c.get("volumeMounts", []) if m["name"] in secrets}
+        if where == "worker group router":
+            assert secrets == {"api-keys": "kvtier-api-keys"} and mounts["api-keys"]["readOnly"] is True
+            assert all(f.startswith(mounts["api-keys"]["mountPath"] + "/") for f in files), files
+        else:
+            assert "kvtier-api-keys" not in secrets.values(), f"{where}: keys only where they are checked"
+    (router,) = [w for w in rc["workerGroupSpecs"] if w["groupName"] == "router"]
+    offered = json.loads(json.loads(router["rayStartParams"]["resources"]))
+    assert router["rayStartParams"]["num-cpus"] == "0" and set(cfg["server"]["router_resources"]) <= set(offered)
+    assert router["minReplicas"] >= min(cfg["server"].get("router_replicas", 1), 2)
+    names = {f.rsplit("/", 1)[1] for f in files}
     if target == "cpu-dev":
-        data = one(objs, "Secret", "kvtier-api-keys")["data"]
-        assert envs <= set(data), "cpu-dev Secret lacks a tenant's api_keys_env"
+        assert names <= set(one(objs, "Secret", "kvtier-api-keys")["data"]), "cpu-dev Secret lacks a tenant's file"
     else:
-        assert not secrets, f"{target}: the operator creates Secrets; none may be committed"
+        assert not [o for o in objs if o["kind"] == "Secret"], f"{target}: the operator creates Secrets"
         guide = (REPO / "docs" / "deploy.md").read_text()
-        for env in envs:
-            assert env in guide, f"docs/deploy.md must tell how to create Secret key {env}"
+        for name in names:
+            assert name in guide, f"docs/deploy.md must tell how to create Secret key {name}"
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -487,7 +502,8 @@ def test_one_off_manifests_validate_and_are_secure():
     claim = job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
     assert claim == one(render("gpu"), "PersistentVolumeClaim")["metadata"]["name"]
     models = {e["model"] for e in serve_config("gpu")["applications"][0]["args"]["engines"].values()}
-    assert set(job["spec"]["template"]["spec"]["containers"][0]["command"]) & models
+    words = set(" ".join(job["spec"]["template"]["spec"]["containers"][0]["command"]).split())
+    assert words & models
 
 
 def test_engines_do_not_switch_off_ray_token_auth():
@@ -523,11 +539,12 @@ def test_ray_cluster_ports_and_groups(target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_worker_readiness_sees_the_engines_and_keeps_kuberays_checks(target):
-    """KubeRay injects its probes only into a Ray container that sets none: the serving workers' readiness
-    repeats KubeRay's checks (raylet, Serve's proxy) and adds the router's /health through the pod's proxy
-    (503 while an engine is degraded). The head keeps KubeRay's own probes, liveness stays KubeRay's, and the
-    RayService sets none of the threshold fields KubeRay ignores since its PRs 1664/1665."""
+def test_worker_readiness_is_per_pod_and_keeps_kuberays_checks(target):
+    """KubeRay injects its probes only into a Ray container that sets none: every worker group's readiness
+    repeats KubeRay's checks (raylet, Serve's proxy) and adds this pod's own replicas (kvtier.service.pod_ready),
+    never the service-wide /health, so one failed engine replica takes only its own pod out (issue #61). The
+    head keeps KubeRay's own probes, liveness stays KubeRay's, and the RayService sets none of the threshold
+    fields KubeRay ignores since its PRs 1664/1665."""
     rs = one(render(target), "RayService")
     assert not {"deploymentUnhealthySecondThreshold", "serviceUnhealthySecondThreshold"} & set(rs["spec"])
     rc = rs["spec"]["rayClusterConfig"]
@@ -535,21 +552,25 @@ def test_worker_readiness_sees_the_engines_and_keeps_kuberays_checks(target):
     assert "readinessProbe" not in head and "livenessProbe" not in head
     cfg = serve_config(target)
     assert cfg["proxy_location"] == "EveryNode" and cfg["applications"][0]["route_prefix"] == "/"
+    assert {w["groupName"] for w in rc["workerGroupSpecs"]} >= {"router"}
     for w in rc["workerGroupSpecs"]:
         c = w["template"]["spec"]["containers"][0]
         assert "livenessProbe" not in c
         probe = c["readinessProbe"]
-        checks = [s.strip() for s in probe["exec"]["command"][-1].split("&&")]
+        checks = [x.strip() for x in probe["exec"]["command"][-1].split("&&")]
         serve = next(p["containerPort"] for p in c["ports"] if p["name"] == "serve")
         assert serve == cfg["http_options"]["port"]
         agent = int(w["rayStartParams"].get("dashboard-agent-listen-port", 52365))
         assert f"http://localhost:{agent}/api/local_raylet_healthz" in checks[0] and "grep success" in checks[0]
         assert f"http://localhost:{serve}/-/healthz" in checks[1] and "grep success" in checks[1]
-        assert f"http://localhost:{serve}/health " in checks[2] and checks[2].endswith("""grep '"ok"'""")
-        assert len(checks) == 3 and all(x.startswith("wget --tries 1 -T ") for x in checks)
-        timeouts = sum(int(re.search(r"-T (\d+)", x).group(1)) for x in checks)
+        assert checks[2] == "python -m kvtier.service.pod_ready"
+        assert "/health" not in probe["exec"]["command"][-1].replace("/-/healthz", "")
+        assert len(checks) == 3 and all(x.startswith("wget --tries 1 -T ") for x in checks[:2])
+        timeouts = sum(int(re.search(r"-T (\d+)", x).group(1)) for x in checks[:2])
         assert timeouts < probe["timeoutSeconds"] <= probe["periodSeconds"]
         assert probe["failureThreshold"] == 1       # KubeRay's for serving workers: a draining proxy leaves at once
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert "/tmp/ray" in mounts     # the heartbeats' folder (pod_ready.DEFAULT_DIR) is the pod's own emptyDir
 
 
 def _engine_replicas(eng: dict) -> int:
@@ -557,6 +578,11 @@ def _engine_replicas(eng: dict) -> int:
     if "autoscaling_config" in dep:
         return int(dep["autoscaling_config"]["max_replicas"])
     return int(dep.get("num_replicas", 1))
+
+
+def _min_replicas(eng: dict) -> int:
+    dep = eng.get("deployment", {})
+    return int(dep.get("autoscaling_config", {}).get("min_replicas", dep.get("num_replicas", 1)))
 
 
 def test_cpu_dev_runs_the_tiny_model_without_gpus():
@@ -576,7 +602,7 @@ def test_gpu_overlay_pins_h100_h200_nodes_and_sizes_the_worker_group():
     objs = render("gpu")
     rc = one(objs, "RayService")["spec"]["rayClusterConfig"]
     args = serve_config("gpu")["applications"][0]["args"]
-    (group,) = rc["workerGroupSpecs"]
+    (group,) = [w for w in rc["workerGroupSpecs"] if w["groupName"] == "gpu"]
     pod = group["template"]["spec"]
     c = pod["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
@@ -587,8 +613,7 @@ def test_gpu_overlay_pins_h100_h200_nodes_and_sizes_the_worker_group():
     assert {e["accelerator"] for e in args["engines"].values()} == {"gpu"}
     # one GPU per engine replica: the worker group must hold every engine at its maximum
     assert group["maxReplicas"] >= sum(_engine_replicas(e) for e in args["engines"].values())
-    assert group["minReplicas"] >= sum(int(e.get("deployment", {}).get("autoscaling_config", {}).get(
-        "min_replicas", e.get("deployment", {}).get("num_replicas", 1))) for e in args["engines"].values())
+    assert group["minReplicas"] >= sum(_min_replicas(e) for e in args["engines"].values())
     # weights from the PVC, mounted read-only where the config points
     pvc = one(objs, "PersistentVolumeClaim", "kvtier-models")
     vols = {v["name"]: v for v in pod["volumes"]}
@@ -597,6 +622,19 @@ def test_gpu_overlay_pins_h100_h200_nodes_and_sizes_the_worker_group():
     assert mounts["models"]["readOnly"] is True
     for eng in args["engines"].values():
         assert eng["model"].startswith(mounts["models"]["mountPath"] + "/")
+    # the routers read the tokenizer from the same volume, where server.router_resources places them
+    (router,) = [w for w in rc["workerGroupSpecs"] if w["groupName"] == "router"]
+    rmounts = {m["name"]: m for m in router["template"]["spec"]["containers"][0]["volumeMounts"]}
+    rvols = {v["name"]: v for v in router["template"]["spec"]["volumes"]}
+    assert rmounts["models"] == mounts["models"] and rvols["models"] == vols["models"]
+    assert args["server"]["router_resources"] == {"kvtier_router": 1}
+    # replicas wait for the download Job's marker instead of failing their start (issue #61)
+    assert args["server"]["model_wait_s"] >= 3600 and args["server"]["model_ready_file"] == ".kvtier-complete"
+    job = next(o for _, o in _extra_manifests() if o["kind"] == "Job")
+    command = " ".join(job["spec"]["template"]["spec"]["containers"][0]["command"])
+    assert command.rstrip().endswith("/models/Qwen3-8B/.kvtier-complete")
+    # no single-replica engine on a cluster: a failed replica or a drained node leaves every tier served
+    assert all(_min_replicas(e) >= 2 for e in args["engines"].values()), args["engines"]
     # per-tier budgets
     budgets = {t["name"]: t["budget"] for t in args["tiers"]}
     assert "full" in budgets.values() and len({b for b in budgets.values() if b != "full"}) >= 3
@@ -612,7 +650,8 @@ def test_worker_pods_run_the_engine_check_on_the_serve_config_before_ray(overlay
     from kvtier.evaluation.engine_check.target import from_service_config
 
     objs = render(overlay)
-    (group,) = one(objs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (group,) = [w for w in one(objs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+                if w["groupName"] != "router"]
     pod = group["template"]["spec"]
     (init,) = pod["initContainers"]
     assert init["command"][:3] == ["kvtier", "engine", "check"] and init["image"] == pod["containers"][0]["image"]

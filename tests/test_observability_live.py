@@ -52,7 +52,7 @@ def config() -> dict:
             {"name": "k100", "engine": "cpu", "budget": 100, "buffer": 20},
             {"name": "premium", "engine": "premium", "budget": "full", "auto": False},
         ],
-        "tenants": {"ops": {"api_keys": [KEY]}},
+        "tenants": {"ops": {"api_keys": [KEY], "admin": True}},   # reads /v1/kvtier/stats
     }
 
 

@@ -146,7 +146,10 @@ def test_health_tells_a_caller_without_a_key_liveness_only(router_http, monkeypa
     for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-a"}):
         r = http.get("/health", headers=headers)
         assert (r.status_code, r.json()) == (code, {"status": status}), headers
-    r = http.get("/health", headers={"Authorization": "Bearer sk-c1"})
+    r = http.get("/health", headers={"Authorization": "Bearer sk-c1"})      # a tenant's key, not an admin's
+    assert (r.status_code, r.json()) == (code, {"status": status, "open_mode": False})
+    http = router_http(make_cfg({**TENANTS, "ops": {"api_keys": ["sk-ops"], "tiers": [], "admin": True}}), state)
+    r = http.get("/health", headers={"Authorization": "Bearer sk-ops"})     # the engines' errors: admins only
     assert (r.status_code, r.json()) == (code, {"status": status, "open_mode": False, "engines": state})
 
 

@@ -42,7 +42,9 @@ CONFIG = {
         # full attention until the pool runs short, then K=64 (explicit here: cheapest-fit never picks it)
         {"name": "elastic", "engine": "cpu", "budget": "elastic", "floor": 64, "buffer": 16, "tenants": ["bob"]},
     ],
-    "tenants": {"alice": {"api_keys": [ALICE], "tiers": ["full", "k64", "k256"]}, "bob": {"api_keys": [BOB]}},
+    # alice is also the operator: the tests read /v1/kvtier/stats with her key (admin scope)
+    "tenants": {"alice": {"api_keys": [ALICE], "tiers": ["full", "k64", "k256"], "admin": True},
+                "bob": {"api_keys": [BOB]}},
 }
 SHORT = "Hello world, the answer is"
 NO_EOS = {"ignore_eos": True}  # the random-weight tiny model samples EOS now and then; tests want full lengths

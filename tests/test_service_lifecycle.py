@@ -1,8 +1,11 @@
 """`kvtier serve` stops cleanly: the embedded default config (tiny model, local Ray: direct ingress; once with
 Serve's proxy) started as a subprocess in its own session, one request served, then SIGTERM (what Kubernetes and process
-managers send) or SIGINT to a background job (which starts with SIGINT ignored). It must exit 0 within 60 s and leave no process of
-its Ray session behind: none of its descendants (Ray's head processes and agents, Serve's controller,
-proxy and replicas, the vLLM engine processes) and nothing whose command line names the session."""
+managers send) or SIGINT to a background job (which starts with SIGINT ignored). It must exit 0 within
+10 s (issue #61: `make serve` had taken 19 s, its stop budget then 20 s) and leave no process of its
+Ray session behind: none of its descendants (Ray's head processes and agents, Serve's controller, proxy and
+replicas, the vLLM engine processes) and nothing whose command line names the session. The SIGTERM case stops
+with a long generation still streaming, which Serve's graceful drain alone would wait for (up to its 20 s
+graceful_shutdown_timeout_s)."""
 
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ psutil = pytest.importorskip("psutil")
 pytest.importorskip("ray.serve")
 pytest.importorskip("vllm")
 
-from service_helpers import ServeProcess, thread_nices  # noqa: E402
+from service_helpers import ServeProcess, run_in_thread, thread_nices  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
+STOP_BOUND_S = 10.0   # `make serve` exits within this of SIGTERM / Ctrl-C (issue #61)
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -127,15 +131,29 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background, in
             elif any(k in name for k in ("ProxyActor", "ServeController", "ServeReplica:kvtier:", "DashboardAgent")):
                 assert values == {19}, (name, values)
 
+        in_flight = sig == signal.SIGTERM
+        if in_flight:   # a generation far longer than the bound, streaming when the signal comes
+            streamed = []
+            thread, box = run_in_thread(_long_stream, svc.url, model, streamed)
+            deadline = time.time() + 120
+            while len(streamed) < 3 and thread.is_alive() and time.time() < deadline:
+                time.sleep(0.1)
+            assert len(streamed) >= 3 and thread.is_alive(), (box, svc.log()[-3000:])
         t0 = time.time()
         svc.proc.send_signal(sig)
         code = svc.proc.wait(60)
         took = time.time() - t0
         log = svc.log()
-        print(f"\n[{signal.Signals(sig).name}: exit {code} after {took:.1f} s; {len(procs)} processes watched]")
+        print(f"\n[{signal.Signals(sig).name}: exit {code} after {took:.1f} s; {len(procs)} processes watched"
+              f"{'; a generation in flight' if in_flight else ''}]")
         assert code == 0, log[-3000:]
         assert "kvtier serve: stopped" in log, log[-3000:]
-        assert "did not shut down in time" not in log, log[-3000:]   # Serve drained within its budget
+        assert took <= STOP_BOUND_S, f"took {took:.1f} s to exit\n{log[-3000:]}"
+        if in_flight:
+            thread.join(30)
+            assert streamed[-1] != "data: [DONE]", "the generation finished before the stop: make it longer"
+        else:   # idle: Serve drained within its budget
+            assert "did not shut down in time" not in log, log[-3000:]
         left = [_describe(p) for p in procs if _alive(p)]
         assert not left, f"left running after exit: {left}\n{log[-2000:]}"
         named = [_describe(p) for p in _session_processes(session) if _alive(p)]
@@ -151,6 +169,20 @@ def test_serve_stops_cleanly_and_leaves_no_process(tmp_path, sig, background, in
                 except psutil.Error:
                     pass
         svc.stop()
+
+
+def _long_stream(url: str, model: str, streamed: list) -> None:
+    """A full-attention stream of 4,000 tokens (EOS ignored), its SSE lines appended to `streamed` as they come;
+    ends when the service goes away."""
+    body = {"model": model, "prompt": "Hello world", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body, headers={"x-kvtier-tier": "full"}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        streamed.append(line)
+    except httpx.HTTPError:
+        pass   # the service stopped mid-stream
 
 
 def _listening(p: psutil.Process) -> list:

@@ -109,6 +109,10 @@ def operations() -> dm.Dashboard:
         [(rate("ray_kvtier_tokens_evicted_total", dep, "deployment, policy"), "{{deployment}} {{policy}}")],
         "short", w=6))
     d = d.with_panel(timeseries_panel(
+        pid(), "Tokens evicted/s by tier", "KV entries evicted per KV head per second, by tier (the router, from "
+        "each answered request's usage.kvtier): the tiers of one engine and policy apart.",
+        [(rate("ray_kvtier_router_tokens_evicted_total", tier, "tier"), "{{tier}}")], "short", w=6))
+    d = d.with_panel(timeseries_panel(
         pid(), "Eviction round time p50 / p99", "Wall time of one engine step's eviction work (the mean is "
         "approximate: Ray computes a histogram's sum from bucket midpoints).",
         [(quantile(0.5, "ray_kvtier_eviction_round_seconds", dep, "deployment"), "p50 {{deployment}}"),

@@ -1,8 +1,8 @@
 """Turn the engine's eviction counters into the catalog's Ray metrics.
 
-The engine deployment calls `EngineMetricsExporter.update_load(load)` on every load poll (the gauges:
-Ray's metrics agent drops a gauge value not refreshed within two export intervals, so they are set far
-more often than that, idle or not) and `update(snapshot, round_ms=...)` every few seconds (counters are
+The engine deployment calls `EngineMetricsExporter.update_load(load)` every 5 s on its own
+(service/engine_upkeep.py) and on every load poll (the gauges: Ray's metrics agent drops a gauge value not
+refreshed within two export intervals, so they are set far more often than that, idle or not, polled or not) and `update(snapshot, round_ms=...)` every few seconds (counters are
 exported as deltas of the worker's cumulative counters; round times as histogram observations). Names and labels come from
 `kvtier.observability.catalog`, so dashboards, alerts and exporters cannot drift apart.
 """
@@ -92,6 +92,16 @@ class EngineMetricsExporter:
         if "running" in load:
             self.running.set(load["running"], tags=tags)
             self.waiting.set(load["waiting"], tags=tags)
+
+
+def model_wait_reporter(deployment: str, metrics_module: Callable[[], Any] = _ray_metrics) -> Callable[[float], None]:
+    """`report(seconds)`: how long a replica of `deployment` has waited for its model files (0: they are
+    there), as `ray_kvtier_model_wait_seconds`; a no-op where Ray's metrics are unavailable."""
+    try:
+        gauge = catalog_metric(metrics_module(), "ray_kvtier_model_wait_seconds")
+    except Exception:  # noqa: BLE001 - outside Ray: nothing to export to
+        return lambda seconds: None
+    return lambda seconds: gauge.set(seconds, tags={"deployment": deployment})
 
 
 RESPONSE_LENGTH_BOUNDARIES = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]

@@ -14,6 +14,10 @@ ENGINE_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 # Only for a Ray cluster kvtier starts itself (launch.py): token auth stays on for shared clusters (KubeRay).
 LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 ROUTER_DEPLOYMENT = "KVTierRouter"   # the router deployment's name (its replicas' process titles)
+# A stopping replica waits this long before it first counts its requests in flight, and between counts (Serve's
+# graceful_shutdown_wait_loop_s, 2 s by default: an idle service then took ~6 s to stop, the router's drain
+# and the engines' one after the other). Serve's graceful_shutdown_timeout_s still bounds a drain.
+DRAIN_CHECK_S = 0.2
 
 
 def deployment_name(engine: str) -> str:
@@ -44,9 +48,10 @@ def vllm_engine_kwargs(eng: EngineConfig, vllm_kwargs: dict[str, Any] | None = N
 
 def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, local_ray: bool = False,
                vllm_kwargs: dict[str, Any] | None = None, stream_interval_ms: float = 200,
-               serving_nice: int | None = None):
+               serving_nice: int | None = None, model_wait_s: float = 0, model_ready_file: str = "config.json"):
     """Ray Serve LLM's config of one engine; vllm_kwargs: eng.engine_kwargs resolved (sizing.py);
-    serving_nice: on a local Ray, the replica lowers its own priority once its engine is up (cpu_priority.py)."""
+    serving_nice: on a local Ray, the replica lowers its own priority once its engine is up (cpu_priority.py);
+    model_wait_s / model_ready_file: how long the replica waits for its model's files (engine_upkeep.py)."""
     from ray.serve.llm import LLMConfig
 
     kwargs = vllm_engine_kwargs(eng, vllm_kwargs)
@@ -63,6 +68,7 @@ def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, loc
     deployment = dict(eng.deployment)
     # The router polls kvtier_load every second: keep those calls out of the replica's access log.
     deployment.setdefault("logging_config", {"enable_access_log": False})
+    deployment.setdefault("graceful_shutdown_wait_loop_s", DRAIN_CHECK_S)
     # Generations go to the replica with the most free KV blocks (replica_router.py), which each replica
     # reports every second through Serve's routing stats
     deployment.setdefault("request_router_config", {
@@ -79,7 +85,8 @@ def llm_config(name: str, eng: EngineConfig, model_id: str, model_path: str, loc
         log_engine_metrics=False,
         # kvtier coalesces stream chunks itself (first chunk at once, engine_server.coalesce); Ray Serve
         # LLM's own batcher would hold the first chunk for a whole interval
-        experimental_configs={"stream_batching_interval_ms": 0, "kvtier_stream_interval_ms": stream_interval_ms},
+        experimental_configs={"stream_batching_interval_ms": 0, "kvtier_stream_interval_ms": stream_interval_ms,
+                              "kvtier_model_wait_s": model_wait_s, "kvtier_model_ready_file": model_ready_file},
         **extra,
     )
 
@@ -104,10 +111,16 @@ def build_application(cfg: ServiceConfig, local_ray: bool = False):
     engines = {
         name: build_llm_deployment(llm_config(name, eng, cfg.model_id(name), model_paths[name], local_ray,
                                               resolved_engine_kwargs(cfg, name, model_paths[name])[0],
-                                              cfg.server.stream_interval_ms, cfg.server.serving_nice),
+                                              cfg.server.stream_interval_ms, cfg.server.serving_nice,
+                                              cfg.server.model_wait_s, cfg.server.model_ready_file),
                                    deployment_cls=KVTierLLMServer,
                                    override_serve_options={"name": deployment_name(name)})
         for name, eng in cfg.engines.items()
     }
-    router = KVTierRouter.options(name=ROUTER_DEPLOYMENT, num_replicas=cfg.server.router_replicas)
+    # the router replicas go where server.router_resources is offered (KubeRay: the router group, which mounts
+    # the API keys and the model files the tokenizer is read from); otherwise anywhere
+    placement = ({"ray_actor_options": {"num_cpus": 0, "resources": dict(cfg.server.router_resources)}}
+                 if cfg.server.router_resources else {})
+    router = KVTierRouter.options(name=ROUTER_DEPLOYMENT, num_replicas=cfg.server.router_replicas,
+                                  graceful_shutdown_wait_loop_s=DRAIN_CHECK_S, **placement)
     return router.bind(cfg.model_dump(mode="json"), engines, model_paths), model_paths

@@ -17,6 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvtier.engine.config import ELASTIC, FULL, EngineEvictionConfig, EvictionSettings, EvictionSpec
 from kvtier.models.reasoner import SHIPPED
 
+from .server_config import ServerConfig
+from .tenant_config import RateLimitConfig, TenantConfig
+
+__all__ = ["ConfigError", "EngineConfig", "PressureConfig", "RateLimitConfig", "RoutingConfig", "ServerConfig",
+           "ServiceConfig", "TenantConfig", "TierConfig", "load_config", "parse_config", "parse_bytes"]
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 TINY_MODEL = "tiny"  # engines.<name>.model: build/use the deterministic tiny Qwen3 (kvtier.models.tiny)
 # engines.<name>.model: a shipped reasoner checkpoint's name (kvtier.models.reasoner.SHIPPED)
@@ -147,14 +153,6 @@ class TierConfig(EvictionSettings):
         return self.spec.to_extra_args(xargs=True)
 
 
-class TenantConfig(_Model):
-    """API keys (bearer tokens) of one tenant and the tiers it may use."""
-
-    api_keys: list[str] = Field(default_factory=list)
-    api_keys_env: str | None = None                 # env var holding comma-separated keys (read at start-up)
-    tiers: list[str] | Literal["*"] = "*"
-
-
 class RoutingConfig(_Model):
     # A compressed tier fits a prompt only if it leaves at least this share of K for the trace
     # (paper §4.2: code prompts use up to half of K=3072).
@@ -168,65 +166,6 @@ class RoutingConfig(_Model):
     rule: Literal["headroom", "cheapest-fit"] = "headroom"
     tier_header: str = "x-kvtier-tier"
     reason_header: str = "x-kvtier-reason"
-
-
-class ServerConfig(_Model):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    app_name: str = "kvtier"
-    ray_address: str | None = None                  # None: start a local Ray; "auto" or host:port: join
-    num_cpus: int | None = None                     # local Ray only
-    # Ray's Prometheus metrics export port on a local Ray (None: Ray picks one; `kvtier serve --prometheus`
-    # uses 8080 unless set). On a joined cluster the cluster's own setting applies.
-    metrics_export_port: int | None = Field(default=None, ge=1, le=65535)
-    # Serve HTTP proxies: HeadOnly (one port on the head node) or EveryNode (a proxy per node).
-    proxy_location: Literal["HeadOnly", "EveryNode"] = "HeadOnly"
-    load_poll_s: float = Field(default=1.0, gt=0)   # how often the router reads engine load
-    request_timeout_s: float = Field(default=600, gt=0)
-    router_replicas: int = Field(default=1, ge=1)
-    # Streams: the first chunk goes out at once, later ones are coalesced and sent at most every
-    # stream_interval_ms (each send is one Ray object per hop: engine -> router -> proxy). 0: every chunk.
-    stream_interval_ms: float = Field(default=200, ge=0, le=5000)
-    # On a Ray kvtier serve starts: Ray's and Serve's processes at this nice value, vLLM's engine processes
-    # at 0, so the engine core's scheduler gets its core first (service/cpu_priority.py). None: Ray's own.
-    serving_nice: int | None = Field(default=19, ge=1, le=19)
-    # The router replica's own nice value under serving_nice (None: 0 when it serves HTTP itself, i.e. with
-    # direct ingress, else serving_nice's; 0: left at the engine's priority). Measured in docs/serving.md.
-    router_nice: int | None = Field(default=None, ge=0, le=19)
-    # How HTTP reaches the router. "proxy": Serve's HTTP proxy forwards to the router deployment (one more
-    # Ray hop each way). "direct": Ray Serve's direct ingress in its throughput-optimized mode, the router
-    # replica itself listens on `port` (Serve's proxy moves to a free port); a local Ray with one router
-    # replica only. "auto" (the default): direct where it can be (a local Ray, one router replica), else
-    # proxy. Measured on this CPU in float32, three runs each (docs/serving.md, sixth pass): direct met
-    # issue #27's targets together in 2 runs of 3, the proxy in 1 (its idle TTFT and burst missed).
-    ingress: Literal["auto", "proxy", "direct"] = "auto"
-    # "keys": only callers with a tenant's API key, and no start without one configured (fail closed).
-    # "open": every caller gets every tier without a key; an explicit choice for local demos, never inferred.
-    auth: Literal["keys", "open"] = "keys"
-
-    @model_validator(mode="after")
-    def _direct_ingress_is_local(self):
-        if self.ingress == "direct" and not self._direct_possible():
-            raise ValueError("server.ingress 'direct' needs a local Ray (ray_address unset) and router_replicas 1: "
-                             "the router replica listens on the port itself")
-        return self
-
-    def _direct_possible(self) -> bool:
-        return self.ray_address is None and self.router_replicas == 1
-
-    @property
-    def direct_ingress(self) -> bool:
-        """Whether the router replica serves HTTP itself (`ingress`, with "auto" resolved)."""
-        return self.ingress == "direct" or (self.ingress == "auto" and self._direct_possible())
-
-    @property
-    def router_nice_value(self) -> int | None:
-        """The router's nice value under serving_nice (`router_nice`, with None resolved)."""
-        if self.serving_nice is None:
-            return None
-        if self.router_nice is not None:
-            return self.router_nice
-        return 0 if self.direct_ingress else self.serving_nice
 
 
 class ServiceConfig(_Model):
@@ -269,7 +208,7 @@ class ServiceConfig(_Model):
         if self.server.auth == "open" and self.tenants:
             raise ValueError(f"server.auth 'open' serves every caller every tier without a key, yet tenants "
                              f"{sorted(self.tenants)} are configured: remove them or set `server.auth: keys`")
-        if self.server.auth == "keys" and not any(t.api_keys or t.api_keys_env for t in self.tenants.values()):
+        if self.server.auth == "keys" and not any(t.has_keys for t in self.tenants.values()):
             raise ValueError("server.auth 'keys' (the default) needs API keys: configure tenants with api_keys or "
                              "api_keys_env, or set `server.auth: open` to serve without authentication")
         return self
@@ -291,21 +230,38 @@ class ServiceConfig(_Model):
         return self.server.auth == "open"
 
     def api_keys(self) -> dict[str, list[str]]:
-        """Each tenant's API keys, its api_keys_env read from this process's environment now: call it where
-        the keys are used at start-up (kvtier serve, the router replica). A variable that is unset or holds no
-        key is a ConfigError naming it: it would leave the tenant without keys, silently."""
-        out = {}
-        for name, t in self.tenants.items():
-            keys = list(t.api_keys)
-            if t.api_keys_env:
-                found = [k.strip() for k in os.environ.get(t.api_keys_env, "").split(",") if k.strip()]
-                if not found:
-                    why = "is not set" if t.api_keys_env not in os.environ else "holds no key"
-                    raise ConfigError(f"tenant {name!r}: api_keys_env {t.api_keys_env} {why} in this environment "
-                                      "(expected the tenant's comma-separated API keys)")
-                keys += found
-            out[name] = keys
-        return out
+        """Each tenant's API keys, its api_keys_env / api_keys_file read now: call it where the keys are used at
+        start-up (kvtier serve, the router replica). A variable or file that is missing or holds no key is a
+        ConfigError naming it: it would leave the tenant without keys, silently."""
+        return {name: tenant_keys(name, t) for name, t in self.tenants.items()}
+
+
+def split_keys(text: str) -> list[str]:
+    """Keys separated by commas and/or newlines, blanks dropped."""
+    return [k.strip() for k in text.replace("\n", ",").split(",") if k.strip()]
+
+
+def tenant_keys(name: str, t: TenantConfig) -> list[str]:
+    """One tenant's keys: inline, plus its variable's or its file's (ConfigError when that holds none)."""
+    keys = list(t.api_keys)
+    if t.api_keys_env:
+        found = split_keys(os.environ.get(t.api_keys_env, ""))
+        if not found:
+            why = "is not set" if t.api_keys_env not in os.environ else "holds no key"
+            raise ConfigError(f"tenant {name!r}: api_keys_env {t.api_keys_env} {why} in this environment "
+                              "(expected the tenant's comma-separated API keys)")
+        keys += found
+    if t.api_keys_file:
+        try:
+            found = split_keys(Path(t.api_keys_file).read_text(encoding="utf-8"))
+            why = "holds no key"
+        except OSError as exc:
+            found, why = [], f"cannot be read ({exc.strerror or exc})"
+        if not found:
+            raise ConfigError(f"tenant {name!r}: api_keys_file {t.api_keys_file} {why} "
+                              "(expected the tenant's comma- or line-separated API keys)")
+        keys += found
+    return keys
 
 
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

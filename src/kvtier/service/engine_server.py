@@ -11,6 +11,8 @@ Additions to the stock server:
 - `check_health()`: Serve's replica health check also fails on the `errored` flag of the load, so Serve
   replaces a replica whose engine failed.
 - vLLM's own metrics go to Ray tagged with the replica's deployment (`engine_metrics.install`).
+- `start()`: waits (bounded) for the model's files before vLLM starts, then keeps the pod-readiness
+  heartbeat and kvtier's KV gauges fresh on a period of its own (engine_upkeep.py).
 The engine is warmed up with a 16-token prompt before it serves (see kvtier.engine.api.WARMUP_PROMPT_TOKENS).
 """
 
@@ -32,6 +34,7 @@ from ray.serve.llm import LLMServer
 from kvtier.engine import compat
 from kvtier.engine.api import WARMUP_PROMPT_TOKENS
 
+from .coalesce import coalesce
 from .first_token import first_item
 from .ray_compat import CallbackBase, VLLMEngine, sanitize_chat_request
 from .usage import prompts_in, with_final_budget
@@ -145,6 +148,15 @@ EXPORT_EVERY_S = 5.0
 class KVTierLLMServer(LLMServer):
     _default_engine_cls = KVTierVLLMEngine
 
+    async def start(self):
+        """Ray Serve LLM's start (the engine), after the model's files are there (bounded: engine_upkeep), then
+        the replica's upkeep task: readiness heartbeat and KV gauges every few seconds."""
+        from . import engine_upkeep
+
+        await engine_upkeep.wait_for_model_files(self._llm_config)
+        await super().start()
+        self._upkeep = asyncio.get_running_loop().create_task(engine_upkeep.run(self))
+
     async def kvtier_generate(self, kind: str, payload: dict[str, Any]) -> AsyncIterator[str | dict[str, Any]]:
         """OpenAI completion ("completions") or chat ("chat") from a plain JSON body, yielding only plain
         data so the router never unpickles vLLM types: SSE text for streams, {"response": body} for a
@@ -198,7 +210,7 @@ class KVTierLLMServer(LLMServer):
             return {}
         load = self.engine.load()
         return {"free_blocks": load["free_blocks"], "total_blocks": load["total_blocks"],
-                "waiting": load["waiting"]}
+                "waiting": load["waiting"], "errored": load["errored"]}
 
     async def kvtier_load(self) -> dict[str, Any]:
         load = self.engine.load()
@@ -253,48 +265,6 @@ class KVTierLLMServer(LLMServer):
     async def kvtier_eviction_stats(self, request_ids: list[str] | None = None) -> dict | None:
         results = await self.engine._engine_client.collective_rpc("kvtier_eviction_stats", args=(request_ids,))
         return results[0] if results else None
-
-
-async def coalesce(stream: AsyncIterator[Any], interval_s: float) -> AsyncIterator[list]:
-    """The stream's items as lists: the first item alone and at once (time to first token is the engine's),
-    then everything that arrived since, at most once per interval_s, and the rest as soon as the stream
-    ends. A reader task drains the engine's stream meanwhile, so a slow consumer never slows the engine's
-    output handler."""
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def read() -> None:
-        try:
-            async for item in stream:
-                queue.put_nowait(item)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-            queue.put_nowait(exc)
-        finally:
-            queue.put_nowait(end)
-
-    reader = asyncio.ensure_future(read())
-    loop = asyncio.get_running_loop()
-    try:
-        first, sent_at = True, loop.time()
-        while True:
-            batch = [await queue.get()]
-            if not first:   # wait out the interval (or the stream's end: the last tokens never wait)
-                await asyncio.wait({reader}, timeout=max(0.0, sent_at + interval_s - loop.time()))
-            while not queue.empty():
-                batch.append(queue.get_nowait())
-            done = any(x is end for x in batch)
-            error = next((x for x in batch if isinstance(x, BaseException)), None)
-            flat = [y for x in batch if x is not end and not isinstance(x, BaseException)
-                    for y in (x if isinstance(x, list) else [x])]
-            if flat:
-                yield flat
-            if error is not None:
-                raise error
-            first, sent_at = False, loop.time()
-            if done:
-                return
-    finally:
-        reader.cancel()
 
 
 def _plain(item: Any) -> str | dict[str, Any]:

@@ -16,7 +16,7 @@ from .api_models import ErrorBody
 
 logger = logging.getLogger("kvtier.service")
 
-ERROR_RESPONSES = {s: {"model": ErrorBody} for s in (400, 401, 403, 404, 500, 503, 504)}
+ERROR_RESPONSES = {s: {"model": ErrorBody} for s in (400, 401, 403, 404, 429, 500, 503, 504)}
 
 
 class ServeError(Exception):
@@ -30,7 +30,8 @@ class ServeError(Exception):
 
 def error_type(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 503: "service_unavailable", 504: "timeout"}.get(status, "server_error")
+            404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable",
+            504: "timeout"}.get(status, "server_error")
 
 
 def error_response(status: int, message: str, reason: str, param: str | None = None,

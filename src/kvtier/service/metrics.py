@@ -16,7 +16,7 @@ import threading
 import time
 from collections import Counter as _Counter
 from collections import defaultdict, deque
-from typing import Any
+from typing import Any, Callable
 
 from kvtier.observability.exporters import catalog_metric
 
@@ -35,11 +35,14 @@ _RAY_METRICS = {  # attribute -> (catalog name, histogram boundaries)
     "prompt_tokens": ("ray_kvtier_router_prompt_tokens_total", None),
     "cancelled": ("ray_kvtier_router_cancelled_total", None),
     "final_budgets": ("ray_kvtier_router_final_budget_total", None),
+    "tokens_evicted": ("ray_kvtier_router_tokens_evicted_total", None),
     "latency": ("ray_kvtier_router_request_latency_seconds", LATENCY_BOUNDARIES),
     "ttft": ("ray_kvtier_router_ttft_seconds", TTFT_BOUNDARIES),
     "ttft_segments": ("ray_kvtier_router_ttft_segment_seconds", SEGMENT_BOUNDARIES),
     "tpot": ("ray_kvtier_router_tpot_seconds", TPOT_BOUNDARIES),
     "open_mode": ("ray_kvtier_router_open_mode", None),
+    "engine_healthy": ("ray_kvtier_router_engine_healthy", None),
+    "engine_errored": ("ray_kvtier_router_engine_replicas_errored", None),
 }
 RECENT_BREAKDOWNS = 8192   # per-request first-token breakdowns kept for /v1/kvtier/stats?ttft_since=
 
@@ -88,13 +91,19 @@ class RouterMetrics:
             self.rejections[(status, reason)] += 1
         self._inc("rejections", 1, {"status": str(status), "reason": reason, "tier": tier})
 
-    def keep_open_mode(self, open_mode: bool, every_s: float) -> asyncio.Task:
-        """Export the open-mode gauge (1: anyone may call every tier) every `every_s` on the running loop:
-        Ray drops a gauge value that is not refreshed."""
+    def keep_gauges(self, open_mode: bool, every_s: float,
+                    engines: Callable[[], dict[str, tuple[bool, int]]] = dict) -> asyncio.Task:
+        """Export the open-mode gauge (1: anyone may call every tier) and, per engine deployment, whether it
+        can serve (1: a replica answers and is not errored) and how many replicas report an errored engine,
+        every `every_s` on the running loop: Ray drops a gauge value that is not refreshed. `engines()`:
+        deployment -> (healthy, errored replicas), read at each refresh."""
         async def refresh() -> None:
             while True:
                 if self._ray:
                     self._ray["open_mode"].set(1.0 if open_mode else 0.0, tags={})
+                    for deployment, (healthy, errored) in engines().items():
+                        self._ray["engine_healthy"].set(1.0 if healthy else 0.0, tags={"deployment": deployment})
+                        self._ray["engine_errored"].set(float(errored), tags={"deployment": deployment})
                 await asyncio.sleep(every_s)
         return asyncio.get_running_loop().create_task(refresh())
 
@@ -138,9 +147,12 @@ class RouterMetrics:
         report = (usage or {}).get("kvtier")
         if isinstance(report, dict):      # the engine's final budget (service/usage.py)
             budget = "full" if report.get("budget") is None else str(report["budget"])
+            evicted = int(report.get("evicted_tokens") or 0)
             with self._lock:
                 self.final_budgets[(tier, budget)] += 1
+                self.tiers[tier]["tokens_evicted"] += evicted
             self._inc("final_budgets", 1, {"tier": tier, "budget": budget})
+            self._inc("tokens_evicted", evicted, tags)
         self._inc("prompt_tokens", prompt, tags)
         self._inc("generation_tokens", generated, tags)
         self._observe("latency", seconds, tags)
@@ -158,7 +170,8 @@ class RouterMetrics:
             return {
                 "decisions": [{"tier": t, "reason": r, "count": n} for (t, r), n in sorted(self.decisions.items())],
                 "rejections": [{"status": s, "reason": r, "count": n} for (s, r), n in sorted(self.rejections.items())],
-                "tiers": {tier: {k: c[k] for k in ("finished", "prompt_tokens", "generation_tokens", "cancelled")}
+                "tiers": {tier: {k: c[k] for k in ("finished", "prompt_tokens", "generation_tokens", "cancelled",
+                                                   "tokens_evicted")}
                           for tier, c in sorted(self.tiers.items())},
                 "final_budgets": [{"tier": t, "budget": b, "count": n}
                                   for (t, b), n in sorted(self.final_budgets.items())],

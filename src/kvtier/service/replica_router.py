@@ -6,7 +6,9 @@ every `request_routing_stats_period_s`); Serve hands them to this router as `Run
 Generations (`kvtier_generate`) rank the replicas by free blocks, most first, each its own rank, so Serve
 tries the roomiest and falls back in order when one is at `max_ongoing_requests`. Every other call (the
 router's load polls, stats) keeps Serve's spread: one rank of all candidates, so every replica is polled.
-A replica that has not reported yet counts as empty (most room): a new replica gets traffic at once.
+A replica that has not reported yet counts as empty (most room): a new replica gets traffic at once. A
+replica that reports its vLLM engine errored ranks last, whatever its free blocks: until Serve replaces it,
+generations go to the others.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ def free_blocks(replica) -> float:
     return UNKNOWN if value is None else float(value)
 
 
+def errored(replica) -> bool:
+    return bool((getattr(replica, "routing_stats", None) or {}).get("errored"))
+
+
 def rank_by_free_kv(replicas: list, call_method: str | None) -> list[list]:
     """The ranks `choose_replicas` returns (pure; tests call it with stand-ins)."""
     if call_method != GENERATE or len(replicas) < 2:
         return [list(replicas)]
-    return [[r] for r in sorted(replicas, key=lambda r: -free_blocks(r))]
+    return [[r] for r in sorted(replicas, key=lambda r: (errored(r), -free_blocks(r)))]
 
 
 class MostFreeKVRouter(FIFOMixin, RequestRouter):

@@ -1,6 +1,6 @@
 """The router: a FastAPI ingress deployment with the OpenAI-compatible API; this module is the request path.
 
-Per request: API key -> tenant -> allowed tiers (auth.py); prompt length (tokens.py); tier (routing.py,
+Per request: API key -> tenant -> allowed tiers (auth.py); the tenant's rate limit (ratelimit.py, 429); prompt length (tokens.py); tier (routing.py,
 with the engines' load polled in the background by engine_health.py); then the request goes to the
 tier's engine deployment with the tier's eviction settings as `vllm_xargs`. Responses carry
 `x-kvtier-tier`, `x-kvtier-reason` (a stable code, see routing.REASONS) and `x-kvtier-detail`. Engines
@@ -26,9 +26,12 @@ from .config import ServiceConfig
 from .engine_health import EngineHealth
 from .errors import ERROR_RESPONSES, ServeError, engine_failure, error_response, looks_dead
 from .metrics import NO_TIER, RouterMetrics
+from .pod_ready import SERVING, Heartbeat, keep_beating, replica_identity
+from .ratelimit import RateLimiter, retry_after
 from .first_token import segments, unwrap_first
 from .routing import Decision, RequestShape, RouteError, resolve_model, route
 from .sse import relay_stream
+from .weights import wait_for_model
 
 
 app = FastAPI(title="kvtier", version="0.1.0",
@@ -55,18 +58,33 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 @serve.ingress(app)
 class KVTierRouter:
     async def __init__(self, config: dict[str, Any], engines: dict[str, Any], model_paths: dict[str, str]):
+        from kvtier.observability.exporters import model_wait_reporter
+
         from .tokens import PromptCounter
 
         self.cfg = ServiceConfig.model_validate(config)
-        self.auth = Authenticator(self.cfg)   # reads api_keys_env here: unset or empty fails the replica's start
+        self.auth = Authenticator(self.cfg)   # reads the keys here: a tenant without any fails the replica's start
+        self.limits = RateLimiter(self.cfg)
         self.metrics = RouterMetrics()
-        self._open_mode_gauge = self.metrics.keep_open_mode(self.auth.open_mode, self.cfg.server.load_poll_s)
         self.engines = engines
         self.streams = {name: h.options(stream=True) for name, h in engines.items()}
+        deployment, replica = replica_identity()
+        server = self.cfg.server
+        report = model_wait_reporter(deployment) if server.model_wait_s else None
+        for path in sorted(set(model_paths.values())):   # the tokenizers' files (bounded: weights.py)
+            await wait_for_model(path, server.model_ready_file, server.model_wait_s, f"router replica {replica}",
+                                 report=report)
         by_path = {path: PromptCounter(path) for path in set(model_paths.values())}
         self.counters = {name: by_path[path] for name, path in model_paths.items()}
         self.engine_health = EngineHealth(self.cfg, engines)   # the engines' polled load and health (engine_health.py)
         self._poller = self.engine_health.start()
+        names = {name: getattr(h, "deployment_name", name) for name, h in engines.items()}
+        self._gauges = self.metrics.keep_gauges(self.auth.open_mode, server.load_poll_s, lambda: {
+            names[n]: (s.get("healthy", True), int(s.get("errored_replicas") or 0))
+            for n, s in self.engine_health.state.items()})
+        # this pod's readiness (pod_ready.py): the router serves while its event loop turns
+        self._heartbeat = asyncio.get_running_loop().create_task(
+            keep_beating(Heartbeat(deployment, replica), lambda: (SERVING, "")))
 
     # -- request handling ---------------------------------------------------------------------------
     def _decide(self, request: Request, body: CompletionBody | ChatBody, kind: str) -> Decision:
@@ -74,6 +92,9 @@ class KVTierRouter:
             tenant = self.auth.tenant(request.headers.get("authorization"))
         except AuthError as exc:
             raise ServeError(401, exc.message, "unauthorized", headers={"www-authenticate": "Bearer"}) from None
+        if (wait := self.limits.wait(tenant.name)) is not None:
+            raise ServeError(429, f"rate limit of tenant {tenant.name!r} reached; retry in {wait:.1f} s",
+                             "rate-limited", headers={"retry-after": retry_after(wait)})
         header_tier = request.headers.get(self.cfg.routing.tier_header)
         if header_tier is not None and body.tier is not None and header_tier != body.tier:
             raise ServeError(400, f"tier given twice: body {body.tier!r}, header {header_tier!r}", "invalid-request", "tier")
@@ -203,29 +224,34 @@ class KVTierRouter:
 
     @app.get("/health")
     async def health(self, request: Request):
-        """Liveness for anyone (probes send no key): 200 ok / 503 degraded and nothing more. The detail (auth
-        mode, each engine's health and last error text) only to a caller with a valid key, or to every caller
-        in open mode, where anyone may read /v1/kvtier/stats too."""
+        """The service's view, for people and alerts, not probes (pods use pod_ready.py): 200 ok / 503 degraded
+        (an engine deployment none of whose replicas can serve) to anyone; `open_mode` to a caller with a
+        valid key; each engine's health and last error only to an admin tenant (or to everyone in open
+        mode, where anyone may read /v1/kvtier/stats too)."""
         engines = {n: {"healthy": s.get("healthy", True), "error": s.get("error")}
                    for n, s in self.engine_health.state.items()}
         ok = all(e["healthy"] for e in engines.values())
         body: dict[str, Any] = {"status": "ok" if ok else "degraded"}
         try:
-            self.auth.tenant(request.headers.get("authorization"))
-            body.update(open_mode=self.auth.open_mode, engines=engines)
+            tenant = self.auth.tenant(request.headers.get("authorization"))
+            body.update(open_mode=self.auth.open_mode, **({"engines": engines} if tenant.admin else {}))
         except AuthError:
             pass
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/v1/kvtier/stats")
+    @app.get("/v1/kvtier/stats", responses=ERROR_RESPONSES)
     async def stats(self, request: Request, eviction: bool = False, ttft_since: float | None = None):
-        """Router counters, the engines' last polled load (KV pool free/total blocks, queue) and, with
-        `?eviction=true`, each engine's kvtier eviction counters; with `?ttft_since=UNIX_TIME`, the time to
-        first token of the requests that arrived since then, per tier, segment by segment (first_token.py)."""
+        """Admin tenants only (every caller in open mode): router counters, the engines' load (polled afresh
+        for this call: KV pool free/total blocks, queue, each one's last error) and, with `?eviction=true`,
+        each engine's kvtier eviction counters; with `?ttft_since=UNIX_TIME`, the time to first token of the
+        requests that arrived since then, per tier, segment by segment (first_token.py)."""
         try:
-            self.auth.tenant(request.headers.get("authorization"))
+            tenant = self.auth.tenant(request.headers.get("authorization"))
         except AuthError as exc:
             return error_response(401, exc.message, "unauthorized")
+        if not tenant.admin:
+            return error_response(403, f"tenant {tenant.name!r} may not read the service's statistics (an admin "
+                                  "tenant's key may: tenants.<name>.admin)", "admin-only")
         out: dict[str, Any] = {"router": self.metrics.snapshot(), "engines": {}}
         if ttft_since is not None:
             out["ttft_breakdown"] = self.metrics.first_token_breakdown(ttft_since)

@@ -76,8 +76,14 @@ def aggregate_loads(replicas: dict[str, dict]) -> dict:
     summed over the replicas, `kv_usage` = used / total blocks over all their pools, and `waiting_per_replica`
     the mean queue (what the pressure rule compares with `queue_depth`, a per-engine threshold). Serve
     sends each request to one of the replicas, preferring the less loaded of two, so the pressure rule
-    reads the deployment as a whole rather than whichever replica answered last."""
-    loads = list(replicas.values())
+    reads the deployment as a whole rather than whichever replica answered last.
+
+    A replica whose vLLM engine reports `errored` serves nothing (Serve replaces it): its pool is left out
+    and counted in `errored_replicas`. The deployment is `errored` only when every replica is: one failed
+    replica of three leaves the engine serving on the other two."""
+    everyone = list(replicas.values())
+    errored = sum(1 for x in everyone if x.get("errored"))
+    loads = [x for x in everyone if not x.get("errored")] or everyone
     total = sum(int(x.get("total_blocks", 0)) for x in loads)
     free = sum(int(x.get("free_blocks", 0)) for x in loads)
     waiting = sum(int(x.get("waiting", 0)) for x in loads)
@@ -89,7 +95,7 @@ def aggregate_loads(replicas: dict[str, dict]) -> dict:
         "in_flight": sum(int(x.get("in_flight") or 0) for x in loads),
         "preemptions": sum(int(x.get("preemptions") or 0) for x in loads),
         "block_size": loads[0].get("block_size") if loads else None,
-        "errored": any(x.get("errored") for x in loads),
+        "errored": bool(everyone) and errored == len(everyone), "errored_replicas": errored,
     }
 
 
