@@ -345,3 +345,21 @@ def test_the_rollout_temperature_reaches_verl_and_keys_the_run():
     from kvtier.benchmarks.rl import check_bench
     with pytest.raises(ValueError, match="temperature must be > 0"):
         check_bench(RLBenchShape(temperature=0.0), ["replay"])
+
+
+def test_the_learner_micro_batch_reaches_verl_and_keys_the_run():
+    """#59: 4k-token traces do not fit one learner forward of a whole step (the update's backward ran the node out
+    of memory): the micro-batch reaches verl's actor, reference and rollout log-prob configs, keys a run (a run kept
+    before the setting existed used the whole batch), and a size outside 1..batch x n is refused before any work."""
+    cfg = _composed(micro_batch=1)
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 1
+    assert cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == 1
+    assert cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 1
+    assert _composed().actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4          # 2 prompts x 2 samples
+    assert "micro_batch" not in RLBenchShape().run_key("replay")
+    assert RLBenchShape(micro_batch=4).run_key("replay")["micro_batch"] == 4
+    with pytest.raises(ValueError, match="micro_batch must be in"):
+        _composed(micro_batch=5)
+    from kvtier.benchmarks.rl import check_bench
+    with pytest.raises(ValueError, match="micro_batch must be in"):
+        check_bench(RLBenchShape(micro_batch=17), ["replay"])

@@ -72,14 +72,16 @@ class RLBenchShape:
     rollout_dtype: str = "auto"    # the rollout engine's dtype (rl_smoke.ROLLOUT_DTYPES; auto: float32 on a CPU
                                    # without native bf16)
     temperature: float = 1.0       # the rollout's sampling temperature (verl's default; chosen on the selection set)
+    micro_batch: int | None = None  # samples per learner forward (None: the step's batch; 4k traces: fewer, memory)
 
     def run_key(self, arm: str) -> dict:
         """The settings a finished run of `arm` depends on: not how many seeds the bench runs, nor another
         arm's settings (the rejection is dense-rs's, the full-attention share the share arms')."""
         spec = arm_spec(arm, self)
         skip = {"seeds", *(() if arm == "dense-rs" else ("rejection",)), *(() if spec.full_share else ("full_share",)),
-                # runs kept before the setting existed sampled at verl's 1.0 and have no such key
-                *(("temperature",) if self.temperature == 1.0 else ())}
+                # runs kept before these settings existed sampled at verl's 1.0 with one micro-batch: no such keys
+                *(("temperature",) if self.temperature == 1.0 else ()),
+                *(("micro_batch",) if self.micro_batch is None else ())}
         return {"arm": arm, **{k: v for k, v in asdict(self).items() if k not in skip}}
 
     def start_key(self) -> dict:
@@ -213,7 +215,7 @@ def run_seed(arm: str, model: str, shape: RLBenchShape, workdir: Path, seed: int
                        task=shape.family, learner=spec.learner, extra_overrides=spec.extra,
                        learner_dtype=shape.learner_dtype, ref_attention=spec.ref_attention,
                        full_share=spec.full_share, kl_coef=shape.kl_coef, rollout=spec.rollout,
-                       rollout_dtype=shape.rollout_dtype, temperature=shape.temperature)
+                       rollout_dtype=shape.rollout_dtype, temperature=shape.temperature, micro_batch=shape.micro_batch)
     if result["summary"]["returncode"] != 0:
         raise RuntimeError(f"arm {arm} seed {seed}: verl's trainer failed (log: {work / 'main_ppo.log'})")
     steps = [step_row(r) for r in result["steps"]]
@@ -242,6 +244,9 @@ def check_bench(shape: RLBenchShape, arms: list[str]) -> None:
         raise ValueError(f"seeds must be >= 1, not {shape.seeds}")
     if not shape.temperature > 0:
         raise ValueError(f"temperature must be > 0 (GRPO samples its groups), not {shape.temperature}")
+    if shape.micro_batch is not None and not 1 <= shape.micro_batch <= shape.batch_size * shape.n:
+        raise ValueError(f"micro_batch must be in 1..{shape.batch_size * shape.n} (batch-size x n), not "
+                         f"{shape.micro_batch}")
     for arm in arms:
         arm_spec(arm, shape)
 

@@ -48,6 +48,8 @@ def register(bench_app: typer.Typer) -> None:
                                           "the first run, 2026-12-02 in results/HISTORY.md, ran bf16)."),
         temperature: float = typer.Option(1.0, help="The rollout's sampling temperature (verl's default 1.0; choose it "
                                           "on the selection set, `kvtier eval reasoner --split selection`)."),
+        micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Samples per learner forward (default: "
+                                                  "the step's whole batch; 4k-token traces need fewer)."),
         model: Optional[str] = typer.Option(None, help="Start checkpoint (default: the shipped reasoner)."),
         workdir: Path = typer.Option(Path("artifacts/bench-rl"), help="Runs, checkpoints and evaluations."),
         out: Optional[Path] = typer.Option(None, help="Also write the JSON here (rewritten after each run: a partial report while it runs)."),
@@ -70,7 +72,8 @@ def register(bench_app: typer.Typer) -> None:
         shape = RLBenchShape(steps=steps, batch_size=batch_size, n=n, budget=budget, buffer=buffer, lr=lr,
                              kv_cache_mb=kv_cache_mb, heldout=heldout, rejection=rejection, learner_dtype=learner_dtype,
                              family=fam.name, response_length=response_length, seeds=seeds, full_share=full_share,
-                             kl_coef=kl_coef, rollout_dtype=rollout_dtype, temperature=temperature)
+                             kl_coef=kl_coef, rollout_dtype=rollout_dtype, temperature=temperature,
+                             micro_batch=micro_batch)
         try:
             check_bench(shape, arms.split(","))
         except ValueError as exc:                     # an unknown arm or dtype; dense-rs without --rejection

@@ -55,12 +55,12 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
               echo=print, extra_overrides: list[str] | None = None, trainer: str = "v1", task: str = "toy",
               learner: str = "dense", learner_dtype: str = "fp32", ref_attention: str = "replay",
               full_share: float = 0.0, kl_coef: float | None = None, rollout: str = "kvtier",
-              rollout_dtype: str = "auto", temperature: float = 1.0) -> dict:
+              rollout_dtype: str = "auto", temperature: float = 1.0, micro_batch: int | None = None) -> dict:
     """task "toy": `toy_task`'s prompts and reward (any model); a task family of kvtier.tasks.chains ("chains",
     "chains-long"): its problems and graded reward (`kvtier.rollout.chains_task`; the model must speak it,
     e.g. src/kvtier/models/reasoner for chains, and response_length hold its traces). `rollout_dtype`: the
     rollout engine's dtype, `auto` (float32 on a CPU without native bf16, where bf16 matmuls are emulated;
-    verl's bfloat16 elsewhere) or a dtype name; `temperature`: the rollout's sampling temperature."""
+    verl's bfloat16 elsewhere) or a dtype name; `temperature`: the rollout's sampling temperature; `micro_batch`: samples per learner forward (None: all of a step's)."""
     import tempfile
 
     if trainer not in TRAINERS:
@@ -109,7 +109,7 @@ def run_smoke(*, steps: int = 3, model: str | None = None, workdir: str | None =
                      kv_cache_mb=kv_cache_mb, lr=lr, env_vars={k: v for k, v in env_vars.items()}, trainer=trainer,
                      reward=reward, learner=learner, learner_dtype=learner_dtype, ref_attention=ref_attention,
                      full_share=full_share, kl_coef=kl_coef, rollout=rollout, rollout_dtype=engine_dtype,
-                     temperature=temperature)
+                     temperature=temperature, micro_batch=micro_batch)
     args += chat + list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIG_DIR}",
            f"--config-name={GRPO_CONFIG}", *args]

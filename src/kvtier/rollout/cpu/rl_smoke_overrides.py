@@ -86,7 +86,7 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
               env_vars: dict[str, str], trainer: str = "v1", reward: Path | None = None,
               learner: str = "dense", learner_dtype: str = "fp32", ref_attention: str = "replay",
               full_share: float = 0.0, kl_coef: float | None = None, rollout: str = "kvtier",
-              rollout_dtype: str | None = None, temperature: float = 1.0) -> list[str]:
+              rollout_dtype: str | None = None, temperature: float = 1.0, micro_batch: int | None = None) -> list[str]:
     """verl's Hydra overrides; `reward`: the file with `compute_score` (default: the toy task's reward);
     `learner`: dense, or replay (the actor scores each sample under its own eviction,
     kvtier.rollout.learner_replay); `learner_dtype`: the actor's and reference's compute dtype
@@ -94,7 +94,9 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
     `full_share`: of each group, the share of samples generated at full attention; `kl_coef`: the KL loss's
     coefficient (default: kvtier_grpo.yaml's); `rollout` (ROLLOUTS): kvtier's engine or verl's own vLLM rollout;
     `rollout_dtype`: the rollout engine's dtype (None: verl's, bfloat16); `temperature`: the rollout's sampling
-    temperature (verl's actor scores log-probs at the same one)."""
+    temperature (verl's actor scores log-probs at the same one); `micro_batch`: samples per learner forward
+    (None: the whole step's batch in one; 4k-token traces need fewer: the update's backward keeps every
+    sample's activations)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (GRPO samples its groups), not {temperature!r}")
     check_learner_dtype(learner_dtype)
@@ -104,6 +106,9 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
     from kvtier.rollout.learner_replay import FULL_REF_MODEL_TYPE, MODEL_TYPE
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     samples = batch_size * n
+    micro = micro_batch or samples
+    if not 1 <= micro <= samples:
+        raise ValueError(f"micro_batch must be in 1..{samples} (batch_size x n), not {micro_batch!r}")
     out = [
         # data + reward
         f"data.train_files={train}",
@@ -129,10 +134,10 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
         *(f"++{role}.fsdp_config.mixed_precision={{param_dtype:{learner_dtype}}}"
           for role in (a, "actor_rollout_ref.ref")),
         f"{a}.ppo_mini_batch_size={batch_size}",
-        f"{a}.ppo_micro_batch_size_per_gpu={samples}",
+        f"{a}.ppo_micro_batch_size_per_gpu={micro}",
         f"{a}.optim.lr={lr}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={samples}",
-        f"{r}.log_prob_micro_batch_size_per_gpu={samples}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
+        f"{r}.log_prob_micro_batch_size_per_gpu={micro}",
         # rollout: kvtier (name, policy from the yaml), small K so eviction happens, hybrid sleep/wake
         f"{r}.n={n}",
         f"{r}.temperature={temperature}",
