@@ -231,7 +231,7 @@ def run_seed(arm: str, model: str, shape: RLBenchShape, workdir: Path, seed: int
 def check_bench(shape: RLBenchShape, arms: list[str]) -> None:
     """ValueError naming what is wrong before any run: an unknown arm, dtype or family, no seeds, dense-rs
     without a rejection."""
-    from kvtier.rollout.cpu.rl_smoke import check_learner_dtype, check_rollout_dtype
+    from kvtier.rollout.cpu.rl_smoke import check_learner_dtype, check_rollout_dtype, check_sampling
     from kvtier.tasks.chains import family as task_family
 
     bad = [a for a in arms if a not in ARMS]
@@ -242,11 +242,7 @@ def check_bench(shape: RLBenchShape, arms: list[str]) -> None:
     task_family(shape.family)
     if shape.seeds < 1:
         raise ValueError(f"seeds must be >= 1, not {shape.seeds}")
-    if not shape.temperature > 0:
-        raise ValueError(f"temperature must be > 0 (GRPO samples its groups), not {shape.temperature}")
-    if shape.micro_batch is not None and not 1 <= shape.micro_batch <= shape.batch_size * shape.n:
-        raise ValueError(f"micro_batch must be in 1..{shape.batch_size * shape.n} (batch-size x n), not "
-                         f"{shape.micro_batch}")
+    check_sampling(shape.temperature, shape.micro_batch, shape.batch_size * shape.n)
     for arm in arms:
         arm_spec(arm, shape)
 

@@ -44,7 +44,7 @@ from kvtier.tasks.chains import FAMILIES
 from . import toy_task
 from .rl_smoke_overrides import (  # noqa: F401 - the settings' names and checks, as callers import them from here
     EXTERNAL_MODULES, LEARNER_DTYPES, REF_ATTENTIONS, ROLLOUT_DTYPES, ROLLOUTS, TRAINER_MODE, TRAINERS,
-    VLLM_WORKER_EXTENSION, check_learner_dtype, check_ref_attention, check_rollout, check_rollout_dtype, check_task,
+    VLLM_WORKER_EXTENSION, check_learner_dtype, check_ref_attention, check_rollout, check_rollout_dtype, check_sampling, check_task,
     external_modules, overrides, resolve_rollout_dtype)
 from .rl_smoke_records import read_jsonl, step_record
 

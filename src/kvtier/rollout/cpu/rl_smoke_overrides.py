@@ -66,6 +66,15 @@ def resolve_rollout_dtype(rollout_dtype: str) -> tuple[str | None, str | None]:
     return dtype, (f"rollout engine {why}" if why else None)
 
 
+def check_sampling(temperature: float, micro_batch: int | None, samples: int) -> None:
+    """ValueError unless the rollout samples (temperature > 0: GRPO's groups need distinct samples) and the
+    learner's micro-batch (None: all `samples` of a step) lies in 1..samples."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (GRPO samples its groups), not {temperature!r}")
+    if micro_batch is not None and not 1 <= micro_batch <= samples:
+        raise ValueError(f"micro_batch must be in 1..{samples} (batch_size x n), not {micro_batch!r}")
+
+
 def check_ref_attention(ref_attention: str, learner: str) -> None:
     """ValueError unless `ref_attention` is one of REF_ATTENTIONS, and `full` only with learner replay (a dense
     learner's reference already scores at full attention)."""
@@ -97,8 +106,7 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
     temperature (verl's actor scores log-probs at the same one); `micro_batch`: samples per learner forward
     (None: the whole step's batch in one; 4k-token traces need fewer: the update's backward keeps every
     sample's activations)."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (GRPO samples its groups), not {temperature!r}")
+    check_sampling(temperature, micro_batch, batch_size * n)
     check_learner_dtype(learner_dtype)
     check_ref_attention(ref_attention, learner)
     check_rollout(rollout, budget=budget, learner=learner, full_share=full_share)
@@ -107,8 +115,6 @@ def overrides(*, model: str, train: Path, val: Path, workdir: Path, steps: int, 
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     samples = batch_size * n
     micro = micro_batch or samples
-    if not 1 <= micro <= samples:
-        raise ValueError(f"micro_batch must be in 1..{samples} (batch_size x n), not {micro_batch!r}")
     out = [
         # data + reward
         f"data.train_files={train}",
