@@ -106,7 +106,24 @@ def test_step_rows_carry_the_updates_diagnostics():
 
 
 def test_ratios_are_full_over_compressed_rollout_seconds():
-    assert ratios(_report()) == {"dense_rollout_speedup_vs_full": 2.0, "replay_rollout_speedup_vs_full": 2.5}
+    r = ratios(_report())
+    assert {k: v for k, v in r.items() if not k.endswith("_ci")} == {"dense_rollout_speedup_vs_full": 2.0,
+                                                                      "replay_rollout_speedup_vs_full": 2.5}
+    assert r["dense_rollout_speedup_vs_full_ci"] == [2.0, 2.0]      # every step alike: no spread
+
+
+def test_the_speedup_interval_spans_the_seeds_spread():
+    """Seeds are the replicate: two seeds of one arm at 10 and 20 s a step against a full arm steady at 30 s give
+    an interval from 30/20 to 30/10 that holds the point estimate 2.0; a one-seed arm still gets one."""
+    from kvtier.benchmarks.rl_table import speedup_ci
+
+    def arm(*per_seed):
+        return {"seeds": [{"seed": i, "steps": [{"step": j, "rollout_seconds": x} for j, x in enumerate(xs)]}
+                          for i, xs in enumerate(per_seed)]}
+
+    lo, hi = speedup_ci(arm([30.0, 30.0]), arm([10.0, 10.0], [20.0, 20.0]))
+    assert 1.5 <= lo < 2.0 < hi <= 3.0
+    assert speedup_ci(arm([30.0]), arm([15.0, float("nan")])) == [2.0, 2.0]   # a NaN step is left out
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -121,21 +138,25 @@ def test_plot_writes_a_png(tmp_path):
     assert plot_rl(old, tmp_path / "old.png").exists()
 
 
-def test_committed_result_has_the_issue_shape():
-    """results/rl-cpu-*.json, the latest: a finished series of >= 3 seeds per arm whose every step carries the
-    issue's diagnostics; held-out start/end per run and pooled, evicted and full."""
+@pytest.mark.parametrize("pattern, arms, steps, problems", [
+    ("rl-cpu-*.json", {"full", "dense", "replay"}, 1, 32),                 # issue #38 (~1k-token traces)
+    ("rl-long-cpu-2*.json", {"full", "dense", "replay", "vllm"}, 20, 96),  # issue #59 (the long reasoner)
+])
+def test_committed_result_has_the_issue_shape(pattern, arms, steps, problems):
+    """The latest committed series of each family: finished, >= 3 seeds per arm whose every step carries the
+    issue's diagnostics; held-out start/end per run and pooled, evicted and full, on enough problems."""
     from kvtier.benchmarks.rl_plot import arm_runs
 
-    files = sorted(RESULTS.glob("rl-cpu-*.json"))
+    files = sorted(RESULTS.glob(pattern))
     if not files:
-        pytest.skip("no committed kvtier bench rl result")
+        pytest.skip(f"no committed kvtier bench rl result {pattern}")
     report = json.loads(files[-1].read_text())
-    assert {"full", "dense", "replay"} <= set(report["arms"]) and report["budget"] > 0
+    assert arms <= set(report["arms"]) and report["budget"] > 0
     assert report.get("missing") == [], report.get("missing")            # a finished series, not a partial one
     for name, arm in report["arms"].items():
         assert len(arm_runs(arm)) >= 3, name                                  # #38: three seeds per arm
         for run in arm_runs(arm):
-            assert set(run["heldout"]) == {"start", "end"} and run["steps"], (name, run.get("seed"))
+            assert set(run["heldout"]) == {"start", "end"} and len(run["steps"]) >= steps, (name, run.get("seed"))
             for s in run["steps"]:
                 # #38 item 1: every per-step diagnostic, logged (a value, not a missing key) in every step
                 for key in ("step", "reward_mean", "seconds", "rollout_seconds", "token_ratio_min", "token_ratio_p01",
@@ -143,6 +164,7 @@ def test_committed_result_has_the_issue_shape():
                             "kl_loss", "entropy", "update_seconds"):
                     assert s.get(key) is not None, (name, run.get("seed"), s["step"], key)
             assert set(run["logprob_agreement"]) == {"kl", "max_abs_log_ratio"}
+            assert len(run["heldout"]["end"]["evicted"]["problems"]) >= problems
         for when in ("start", "end"):                                         # pooled over the seeds
             assert {"evicted", "full"} <= set(arm["heldout"][when])
 
@@ -305,6 +327,21 @@ def test_a_stopped_bench_reuses_its_finished_runs(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["missing"] == report["missing"]
     from kvtier.benchmarks.rl_table import start_line
     assert start_line(report).startswith("start: ") and "not yet run: full/seed1 (kept with other lr), replay/seed0" in start_line(report)
+    # the supervised anchor: read once on the same problems (kept), its change paired with the start's, its cost
+    import kvtier.benchmarks.rl_heldout as rl_heldout
+
+    monkeypatch.setattr(rl_heldout, "heldout_accuracy", fake_eval)
+    sup = tmp_path / "sup"
+    sup.mkdir()
+    (sup / "TRAINING.json").write_text(json.dumps({"steps": 800, "sequences": 6400, "wall_seconds": 9607.5,
+                                                   "devices": [{"from_step": 0, "device": "cpu (Xeon)"}]}))
+    for _ in range(2):
+        report = rl.run_rl_bench("/m", RLBenchShape(seeds=2, kv_cache_mb=8, lr=3e-5), ["full"], tmp_path / "w",
+                                 echo=lambda m: None, kept_only=True, supervised=str(sup))
+    assert evaluated.count(str(sup)) == 1 and report["supervised"]["training"]["wall_seconds"] == 9607.5
+    assert report["supervised"]["heldout"]["evicted"]["change"]["diff"] == 0.0
+    from kvtier.benchmarks.rl_table import supervised_line
+    assert "9608 s wall (cpu (Xeon))" in supervised_line(report) and supervised_line(_report()) == ""
     with pytest.raises(ValueError, match="no start evaluation"):
         rl.run_rl_bench("/other", RLBenchShape(seeds=1, kv_cache_mb=8), ["full"], tmp_path / "w", echo=lambda m: None,
                         kept_only=True)
@@ -327,7 +364,9 @@ def test_tables_read_the_report():
     rows = {line.split(" | ")[0].strip("| "): line for line in arm_table(report).splitlines()[2:]}
     assert set(rows) == {"full", "dense", "replay"}
     assert "| 2 | 0.30 → 0.30 |" in rows["replay"]            # 2 steps: both windows hold both steps
-    assert "+0.30 [+0.10, +0.50]" in rows["replay"] and "12.0 (2.50×)" in rows["replay"]
+    assert "+0.30 [+0.10, +0.50]" in rows["replay"] and "12.0 (2.50×" in rows["replay"]
+    report["ratios"] = ratios(report)                          # as `bench rl` writes it: with the interval
+    assert "12.0 (2.50× [2.50, 2.50])" in arm_table(report)
     assert "30.0 |" in rows["full"] and "×" not in rows["full"]
     assert len(seed_table(report).splitlines()) == 2 + 4      # header + one row per run (1 + 1 + 2 seeds)
 

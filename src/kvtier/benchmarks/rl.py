@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .rl_heldout import heldout_accuracy, pooled_heldout
+from .rl_heldout import heldout_accuracy, pooled_heldout, supervised_read
 from .rl_store import differing_settings, keep, reuse
 from .rl_table import ratios
 
@@ -256,11 +256,12 @@ def _write(report: dict, out: Path | None) -> None:
 
 
 def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path, plot: str | None = None,
-                 echo=print, out: Path | None = None, kept_only: bool = False) -> dict:
+                 echo=print, out: Path | None = None, kept_only: bool = False, supervised: str | None = None) -> dict:
     """Every arm's runs, in order; `out` (if given) is rewritten after each run, so a partial report exists
     while the bench runs and a stopped bench resumes where it stopped (finished runs are reused). `kept_only`:
     nothing trains; the report holds the runs already kept in `workdir` and lists the others under `missing`
-    (a report of an unfinished series, or while another bench trains in the same workdir)."""
+    (a report of an unfinished series, or while another bench trains in the same workdir). `supervised`: a
+    model read beside the arms on the same held-out problems (`rl_heldout.supervised_read`), kept_only or not."""
     check_bench(shape, arms)                   # before the start checkpoint's evaluation, not after it
     if shape.kv_cache_mb is None:
         shape = replace(shape, kv_cache_mb=kv_pool_mb(model, shape.response_length, shape.rollout_dtype))
@@ -284,6 +285,8 @@ def run_rl_bench(model: str, shape: RLBenchShape, arms: list[str], workdir: Path
     report = {"budget": shape.budget, "shape": asdict(shape), "model": model, "device": "cpu", "environment": where,
               "rollout_engine_dtype": resolve_rollout_dtype(shape.rollout_dtype)[0] or "bfloat16",
               "heldout_start": start, "arms": {}, "missing": []}
+    if supervised:
+        report["supervised"] = supervised_read(supervised, shape, workdir, start, where)
     for arm in arms:
         spec = arm_spec(arm, shape)
         runs = []

@@ -54,6 +54,9 @@ def register(bench_app: typer.Typer) -> None:
         workdir: Path = typer.Option(Path("artifacts/bench-rl"), help="Runs, checkpoints and evaluations."),
         out: Optional[Path] = typer.Option(None, help="Also write the JSON here (rewritten after each run: a partial report while it runs)."),
         plot: Optional[str] = typer.Option(None, help="Write the PNG here."),
+        supervised: Optional[str] = typer.Option(None, "--supervised", help="A supervised model read beside the arms "
+                                                 "on the same held-out problems, with its TRAINING.json's cost (e.g. "
+                                                 "src/kvtier/models/reasoner_long, the start's eviction fine-tune)."),
         kept_only: bool = typer.Option(False, "--kept-only", help="Train nothing: report the runs already kept in "
                                        "--workdir and list the others under `missing` (an unfinished series)."),
     ) -> None:
@@ -80,7 +83,8 @@ def register(bench_app: typer.Typer) -> None:
             raise typer.BadParameter(str(exc)) from None
         try:
             report = run_rl_bench(str(Path(model or reasoner_dir()).resolve()), shape, arms.split(","),
-                                  workdir.resolve(), plot, echo=typer.echo, out=out, kept_only=kept_only)
+                                  workdir.resolve(), plot, echo=typer.echo, out=out, kept_only=kept_only,
+                                  supervised=str(Path(supervised).resolve()) if supervised else None)
         except ValueError as exc:                     # --kept-only and no start evaluation kept for these settings
             if not kept_only:
                 raise
@@ -92,10 +96,11 @@ def register(bench_app: typer.Typer) -> None:
     def bench_rl_table(report: Path = typer.Argument(..., help="A `kvtier bench rl` JSON (--out).")) -> None:
         """The report's tables as Markdown: per arm pooled over seeds (reward, held-out end and change vs start with
         CIs, rollout speed-up, learner/sampler KL, rejected samples), then per seed (src/kvtier/benchmarks/rl_table.py)."""
-        from kvtier.benchmarks.rl_table import arm_table, seed_table, start_line
+        from kvtier.benchmarks.rl_table import arm_table, seed_table, start_line, supervised_line
 
         try:
             data = json.loads(report.read_text())
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(f"{report}: {exc}", param_hint="REPORT") from None
-        typer.echo("\n\n".join([start_line(data), arm_table(data), seed_table(data)]))
+        typer.echo("\n\n".join(part for part in (start_line(data), supervised_line(data), arm_table(data),
+                                                   seed_table(data)) if part))

@@ -60,3 +60,21 @@ def pooled_heldout(ends: list[dict], start: dict | None = None) -> dict:
                 d = paired_bootstrap(after, {pid: [float(ok)] for pid, ok in before.items()})
                 out[cond]["change"] = {"diff": round(d["diff"], 4), "ci": [round(d["lo"], 4), round(d["hi"], 4)]}
     return out
+
+
+def supervised_read(model: str, shape, workdir: Path, start: dict, where: dict) -> dict:
+    """A supervised model beside the arms (issue #59 item 5: the start's eviction fine-tune, e.g. reasoner-long):
+    its held-out read on the arms' problems at the arms' K (kept in `workdir` like the start's, reused when the
+    settings match), its change from the start paired by problem, and its training cost from its TRAINING.json
+    (steps, sequences, wall seconds and the device they ran on: another machine's seconds, said so)."""
+    from .rl_store import keep, reuse
+
+    key, kept = {**shape.start_key(), "model": model}, workdir / "heldout-supervised.json"
+    read = reuse(kept, key)
+    if read is None:
+        read = {**heldout_accuracy(model, shape, workdir / "heldout-supervised"), "environment": where}
+        keep(kept, key, read)
+    meta = Path(model) / "TRAINING.json"
+    training = json.loads(meta.read_text()) if meta.exists() else {}
+    return {"model": model, "heldout": pooled_heldout([read], start), "read_environment": read.get("environment"),
+            "training": {k: training.get(k) for k in ("command", "steps", "sequences", "wall_seconds", "devices")}}

@@ -24,7 +24,8 @@ def _finite_mean(xs) -> float | None:
 
 
 def ratios(report: dict) -> dict:
-    """Rollout seconds per step of each compressed arm against the full-attention arm (speed-up, x)."""
+    """Rollout seconds per step of each compressed arm against the full-attention arm (speed-up, x), and its 95%
+    bootstrap interval where both arms have steps (`speedup_ci`)."""
     arms = report["arms"]
     full = _finite_mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
     out = {}
@@ -32,7 +33,29 @@ def ratios(report: dict) -> dict:
         mine = _finite_mean(s["rollout_seconds"] for r in arm_runs(arm) for s in r["steps"])
         if name != "full" and full and mine:
             out[f"{name}_rollout_speedup_vs_full"] = round(full / mine, 3)
+            out[f"{name}_rollout_speedup_vs_full_ci"] = speedup_ci(arms["full"], arm)
     return out
+
+
+def _rollout_seconds(arm: dict) -> list[list[float]]:
+    return [[s["rollout_seconds"] for s in r.get("steps", []) if s.get("rollout_seconds") is not None
+             and math.isfinite(s["rollout_seconds"])] for r in arm_runs(arm)]
+
+
+def speedup_ci(full: dict, arm: dict, draws: int = 2000, seed: int = 0) -> list[float]:
+    """95% percentile interval of full's mean rollout seconds per step over `arm`'s: seeds resampled, then steps
+    within each drawn seed (a seed's steps share its prompts and machine hour), each arm on its own."""
+    import random
+
+    rng = random.Random(seed)
+    a, b = [r for r in _rollout_seconds(full) if r], [r for r in _rollout_seconds(arm) if r]
+
+    def resampled_mean(runs: list[list[float]]) -> float:
+        xs = [x for run in (rng.choice(runs) for _ in runs) for x in (rng.choice(run) for _ in run)]
+        return sum(xs) / len(xs)
+
+    stats = sorted(resampled_mean(a) / resampled_mean(b) for _ in range(draws))
+    return [round(stats[int(0.025 * draws)], 3), round(stats[int(0.975 * draws) - 1], 3)]
 
 
 def _f(x, digits: int = 2) -> str:
@@ -75,7 +98,9 @@ def arm_table(report: dict) -> str:
         runs = arm_runs(arm)
         end = arm["heldout"]["end"]
         rollout = _mean(s["rollout_seconds"] for r in runs for s in r["steps"])
-        speed = f" ({full_rollout / rollout:.2f}×)" if full_rollout and rollout and name != "full" else ""
+        ci = report.get("ratios", {}).get(f"{name}_rollout_speedup_vs_full_ci")
+        speed = (f" ({full_rollout / rollout:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "") + ")"
+                 if full_rollout and rollout and name != "full" else "")
         kl = max((s["kl"] for r in runs for s in r["steps"] if s.get("kl") is not None), default=None)
         rejected = _mean(s.get("rejected_share") for r in runs for s in r["steps"])
         lines.append(f"| {name} | {len(runs)} | {_f(_window(runs, True))} → {_f(_window(runs, False))} | "
@@ -103,3 +128,18 @@ def start_line(report: dict) -> str:
             f"full {_acc(start.get('full'))}")
     missing = report.get("missing")
     return line + (f"; not yet run: {', '.join(missing)}" if missing else "")
+
+
+def supervised_line(report: dict) -> str:
+    """The supervised anchor beside the arms (issue #59 item 5): its held-out read on the same problems, its
+    change from the start (paired by problem) and what its training cost; empty when the report has none."""
+    sup = report.get("supervised")
+    if not sup:
+        return ""
+    held, train = sup["heldout"], sup.get("training") or {}
+    cost = (f"{train['steps']} steps, {train['sequences']} sequences, {train['wall_seconds']:.0f} s wall"
+            f" ({'; '.join(d.get('device', '') for d in train.get('devices') or [])})"
+            if train.get("wall_seconds") is not None else "cost not recorded")
+    return (f"supervised anchor {sup['model']}: held-out evicted {_acc(held.get('evicted'))} (vs start "
+            f"{_change(held.get('evicted'))}), full {_acc(held.get('full'))} (vs start {_change(held.get('full'))}); "
+            f"training: {cost}")
