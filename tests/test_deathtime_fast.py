@@ -74,17 +74,6 @@ def test_vectorised_simulation_equals_the_per_layer_one(budget, buffer, prompt, 
     assert (want != NEVER).any() and torch.equal(got, want)
 
 
-def test_many_rounds_in_one_draw_chunk_or_many(monkeypatch):
-    """Rounds drawn many per call or one per call give the same deaths (the chunking is invisible)."""
-    from kvtier.deathtime import simulate
-
-    args = (make_policy("random"), EvictionSchedule(32, 8), 16, 600)
-    kw = dict(num_layers=2, num_kv_heads=2, seed=5)
-    whole = simulate_deaths(*args, **kw)
-    monkeypatch.setattr(simulate, "_DRAW_CHUNK_BYTES", 1)
-    assert torch.equal(simulate_deaths(*args, **kw), whole)
-
-
 def test_the_store_derives_each_sample_once_per_step_within_its_bytes():
     """Three passes over four samples (reference, old log-probs, update) with room for two: each stored sample
     is derived once, the others once per pass; every answer equals a fresh derivation; the next step's first

@@ -6,8 +6,10 @@ compactly so a step's forwards (reference, old log-probs, update: `forwards`) de
 builds one micro-batch of `micro_batch` samples at the given shape (Qwen3-4B: 36 layers, 8 KV heads; 32k
 tokens) twice: derived (a store miss) and served (a hit). It reports the peak resident memory of the first
 build above the same process after a warm-up (the transient part), the store's bytes per sample, the seconds
-(wall and CPU) per sample of each build, and from them a step on one rank: `samples_per_rank` samples, the
-first `samples_stored_per_rank` derived once and served `forwards - 1` times, the rest derived every forward.
+(wall and CPU) per sample of each build, the CPU seconds of one derivation alone (`simulate_deaths`; a build
+adds encoding and assembling: `derivation_cpu_seconds`), and from them a step on one rank: `samples_per_rank`
+samples, the first `samples_stored_per_rank` derived once and served `forwards - 1` times, the rest derived
+every forward.
 `host_bytes_per_rank` is the transient peak plus the store holding those samples. Beside them, what the
 earlier per-process cache of dense tensors (up to 256 samples) held for the same batch.
 
@@ -54,7 +56,9 @@ def measure(layers: int, kv_heads: int, tokens: int, prompt: int, budget: int, b
     micro-batch is derived, after a small warm-up build, then the same micro-batch served from the store. The
     learner's device is this CPU here, so the growth includes the micro-batch's death tensor, which a GPU
     learner holds on the device instead."""
+    from kvtier.deathtime import simulate_deaths
     from kvtier.deathtime.store import DeathStore
+    from kvtier.policies import EvictionSchedule, make_policy
     from kvtier.rollout.replay_batch import micro_batch_deaths
 
     fields = {"kvtier_budget": budget, "kvtier_buffer": buffer, "kvtier_policy": "random", "kvtier_policy_params": None,
@@ -84,10 +88,17 @@ def measure(layers: int, kv_heads: int, tokens: int, prompt: int, budget: int, b
     served_s, served_cpu = time.perf_counter() - t0, time.process_time() - c0
     assert counts["replayed"] == micro_batch and tuple(served.shape) == (micro_batch, layers, kv_heads, tokens)
     assert store.derived == micro_batch and store.hits == micro_batch
+    tensor_bytes = served.numel() * served.element_size()
+    del served
+    c0 = time.process_time()                           # the derivation alone (a fresh seed), as issue #60 counts it
+    simulate_deaths(make_policy("random"), EvictionSchedule(budget, buffer), prompt, tokens, num_layers=layers,
+                    num_kv_heads=kv_heads, seed=micro_batch)
+    derivation_cpu = time.process_time() - c0
     return {"rss_peak_growth_bytes": growth, "seconds_per_sample": seconds / micro_batch,
+            "derivation_cpu_seconds": derivation_cpu,
             "cpu_seconds_per_sample": cpu / micro_batch, "served_seconds_per_sample": served_s / micro_batch,
             "served_cpu_seconds_per_sample": served_cpu / micro_batch, "store_bytes_per_sample": store.bytes // micro_batch,
-            "death_tensor_bytes": served.numel() * served.element_size()}
+            "death_tensor_bytes": tensor_bytes}
 
 
 def measure_workers(layers: int, kv_heads: int, tokens: int, prompt: int, budget: int, buffer: int, samples: int,
@@ -193,6 +204,7 @@ def run_replay_memory_bench(*, layers: int = 36, kv_heads: int = 8, tokens: int 
         "seconds_per_sample": round(m["seconds_per_sample"], 3),
         "cpu_seconds_per_sample": round(m["cpu_seconds_per_sample"], 3),
         "served_seconds_per_sample": round(m["served_seconds_per_sample"], 3),
+        "derivation_cpu_seconds": round(m["derivation_cpu_seconds"], 3),
         "store_bytes_per_sample": m["store_bytes_per_sample"],
         "store_max_bytes": store_bytes,
         "samples_stored_per_rank": stored,

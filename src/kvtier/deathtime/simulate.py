@@ -8,8 +8,6 @@ here equal the vLLM engine's and the reference engine's keep-sets (tests/test_de
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -19,8 +17,8 @@ from kvtier.policies.compaction import hole_fill_plan
 from kvtier.policies.keyed_random import seed_key
 from kvtier.policies.random import RandomPolicy
 
-from .keyed_host import keyed_victims_host
 from .record import NEVER
+from .store import encode
 
 
 def round_positions(schedule: EvictionSchedule, prompt_len: int, length: int, start: int | None = None) -> list[int]:
@@ -60,40 +58,62 @@ def simulate_deaths(policy: EvictionPolicy, schedule: EvictionSchedule, prompt_l
     (tensor parallelism: the engine keys random's draw by global head; default 0..kv_heads-1).
     start, rounds_before: a cache rebuilt holding [0, start), every entry visible, after `rounds_before` rounds
     (a preempted request's recompute: `kvtier.deathtime.segments`); defaults: the prompt, none.
-    Only policies that read nothing from the cache (`needs` empty) can be simulated. Every (layer, head)
-    row goes through a round at once (one [layers * kv_heads, ...] gather / scatter per round); `random`'s
-    draws for many rounds come from one call (`keyed_host`): they depend on the round, not on the cache."""
+    Only policies that read nothing from the cache (`needs` empty) can be simulated. `random` (the learner
+    replay's case) runs compiled, row by row (`keyed_deaths`, numba); the others every row at once per round."""
+    return _simulate(policy, schedule, prompt_len, length, num_layers, num_kv_heads, seed, heads, start,
+                     rounds_before, encoded=False)
+
+
+def simulate_encoded(policy: EvictionPolicy, schedule: EvictionSchedule, prompt_len: int, length: int, *,
+                     num_layers: int, num_kv_heads: int, seed: int, heads: Tensor | None = None,
+                     start: int | None = None, rounds_before: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`simulate_deaths` in the store's compact form (`store.encode`: the round index of each entry's death,
+    [NEVER] + each round's death time); `random`'s is written in that form directly (a quarter of the bytes,
+    no dense tensor to encode)."""
+    return _simulate(policy, schedule, prompt_len, length, num_layers, num_kv_heads, seed, heads, start,
+                     rounds_before, encoded=True)
+
+
+def _simulate(policy, schedule, prompt_len, length, L, H, seed, heads, start, rounds_before, encoded):
     if policy.needs:
         raise ValueError(f"policy {policy.name!r} reads {sorted(policy.needs)} from the cache: its evictions "
                          "depend on the model; record them from an engine (deaths_from_rounds)")
     policy.check_budget(schedule.budget, prompt_len)
-    L, H = num_layers, num_kv_heads
-    R = L * H
     heads = torch.arange(H) if heads is None else heads
+    start = prompt_len if start is None else int(start)
+    shapes = round_shapes(schedule, prompt_len, length, start)
+    table = np.asarray([NEVER] + [qp + 1 for qp, *_ in shapes], dtype=np.int32)
+    if type(policy) is not RandomPolicy:
+        deaths = _generic_deaths(policy, schedule, shapes, prompt_len, length, L, H, seed, start)
+        return encode(deaths, table[1:].tolist()) if encoded else deaths
+    from .keyed_deaths import keyed_deaths           # numba: only `random` needs it
+
+    out = keyed_deaths(shapes, request_key=seed_key(seed), rounds_before=rounds_before, layers=L, heads=heads,
+                       low=policy.protected_len(prompt_len), start=start, length=length,
+                       table=None if encoded else table)
+    return (out.reshape(L, H, length), table) if encoded else torch.from_numpy(out).view(L, H, length)
+
+
+def _generic_deaths(policy, schedule, shapes, prompt_len, length, L, H, seed, start) -> Tensor:
+    """The policies that read positions per (layer, head): every row goes through a round at once."""
+    R = L * H
     # The state is numpy: its fancy indexing moves [rows, e] index sets several times faster than torch's CPU
     # gather / scatter. rows[i, slot] holds the flat index into `deaths` of the position in that slot
     # (i * length + position), so one read of the victims' slots gives where their deaths go.
     deaths = np.full(R * length, NEVER, dtype=np.int32)
-    start = prompt_len if start is None else int(start)
     cap = max(schedule.max_cached, start) + 1
     base = np.arange(R, dtype=np.int64)[:, None]
     rows = np.zeros((R, cap), dtype=np.int64)
     rows[:, :start] = base * length + np.arange(start)       # a (re)built cache: chronological slots
     row_at, slot_at = base * length, base * cap
     flat = rows.reshape(-1)
-    shapes = round_shapes(schedule, prompt_len, length, start)
-    keyed = (_keyed_draws(policy, shapes, prompt_len, L, heads, seed, rounds_before)
-             if type(policy) is RandomPolicy else None)
     gen = torch.Generator().manual_seed(int(seed))
     appended = start
     for qp, n, n_cand, e in shapes:
         rows[:, n - (qp + 1 - appended) : n] = row_at + np.arange(appended, qp + 1)
         appended = qp + 1
-        if keyed is not None:
-            victims = next(keyed)
-        else:                                            # the generic policies read positions per (layer, head)
-            slots = torch.from_numpy(rows[:, :n] - row_at).view(L, H, n)
-            victims = _victims(policy, schedule, slots, n, prompt_len, qp, gen).reshape(R, e).numpy()
+        slots = torch.from_numpy(rows[:, :n] - row_at).view(L, H, n)
+        victims = _victims(policy, schedule, slots, n, prompt_len, qp, gen).reshape(R, e).numpy()
         deaths[flat[victims + slot_at]] = qp + 1                      # the victims die at qp + 1
         src, dst = _hole_fill(victims, n)
         flat[dst + slot_at] = flat[src + slot_at]
@@ -109,29 +129,6 @@ def _hole_fill(victims: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         return np.arange(n - e, n), victims
     plan = hole_fill_plan(torch.from_numpy(victims), n)
     return plan.src.numpy(), plan.dst.numpy()
-
-
-# scratch bytes per chunk of keyed draws (about 40 bytes per draw, 2e + 16 draws per row): ~64 MB at most
-_DRAW_CHUNK_BYTES = 64 << 20
-
-
-def _keyed_draws(policy, shapes, prompt_len, L, heads, seed, rounds_before=0) -> Iterator[np.ndarray]:
-    """[L * H, e] victims of each round in turn, drawn for runs of rounds of one shape at a time (the engines
-    key a round by its 1-based index over the request's life: `rounds_before` + its index here)."""
-    low, H = policy.protected_len(prompt_len), heads.shape[0]
-    request_key = seed_key(seed)
-    i = 0
-    while i < len(shapes):
-        _, _, n_cand, e = shapes[i]
-        per_round = L * H * 40 * (2 * e + 16)
-        j = i + 1
-        while j < len(shapes) and j - i < max(1, _DRAW_CHUNK_BYTES // per_round) and shapes[j][2:] == (n_cand, e):
-            j += 1
-        chunk = keyed_victims_host(request_key, torch.arange(i + 1, j + 1) + rounds_before, L, heads, low,
-                                   n_cand, e)
-        for r in range(j - i):
-            yield chunk[r].view(L * H, e).numpy()
-        i = j
 
 
 def _victims(policy, schedule, slots, n, prompt_len, qp, gen) -> Tensor:

@@ -25,13 +25,19 @@ from .record import NEVER
 Item = tuple[np.ndarray, np.ndarray]
 
 
+def index_dtype(rounds: int):
+    """The round index's type for `rounds` rounds (0: never): uint8 below 255 rounds, else uint16."""
+    if rounds >= 65535:
+        raise ValueError(f"{rounds} rounds do not fit the store's uint16 round index")
+    return np.uint8 if rounds < 255 else np.uint16
+
+
 def encode(deaths: Tensor, death_times: list[int]) -> Item:
     """(round index per entry, [NEVER] + death_times as int32) of an int32 deaths tensor whose finite values
-    are all in `death_times` (each < deaths.shape[-1])."""
+    are all in `death_times` (each < deaths.shape[-1]). `simulate.simulate_encoded` derives `random`'s deaths
+    in this form directly."""
     n = deaths.shape[-1]
-    dtype = np.uint8 if len(death_times) < 255 else np.uint16
-    if len(death_times) >= 65535:
-        raise ValueError(f"{len(death_times)} rounds do not fit the store's uint16 round index")
+    dtype = index_dtype(len(death_times))
     lut = np.zeros(n + 1, dtype=dtype)                    # a death time -> its round's index; n (NEVER) -> 0
     lut[np.asarray(death_times, dtype=np.int64)] = np.arange(1, len(death_times) + 1, dtype=dtype)
     index = lut[np.minimum(deaths.numpy(), n)]
