@@ -644,6 +644,9 @@ def _check_sample_counters_cover_every_turn(rollout, out, n):
     """Each sample's kvtier columns are the totals over all of its generate calls (one per assistant turn):
     against the server's per-call fields recorded in the agent-loop workers, and the events against the
     engine's audit log (one record per eviction round, over every turn's vLLM request of the sample)."""
+    from kvtier.rollout.replay_status import FIELDS as REPLAY_FIELDS
+    from kvtier.rollout.replay_status import by_segment
+
     nt = out.non_tensor_batch
     groups: dict[tuple, list[dict]] = {}
     for w, worker in enumerate(rollout.agent.agent_loop_workers):
@@ -664,6 +667,9 @@ def _check_sample_counters_cover_every_turn(rollout, out, n):
         assert len(rounds) == nt["kvtier_eviction_events"][i], (i, len(rounds), nt["kvtier_eviction_events"][i])
         assert len({r["req_id"] for r in rounds}) <= len(calls)
         more_than_first += nt["kvtier_eviction_events"][i] > calls[0]["kvtier_eviction_events"]
+        # every call's segments travel with the sample: the learner replays it by segment (#60 item 3)
+        fields = {k: nt[k][i] if k in nt else None for k in REPLAY_FIELDS}
+        assert len(calls) < 2 or by_segment(fields), (i, fields)
     assert max(nt["kvtier_generate_calls"]) >= 2
     assert more_than_first > 0, "no sample had eviction rounds after its first turn"
     # and the trainer's metrics reduce the totals (KVTierAgentLoopManager put them into the batch's timing)

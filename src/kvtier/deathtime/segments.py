@@ -16,12 +16,15 @@ anything before its end: then every earlier row saw full causal attention, as th
 last segment's deaths describe the whole sample (`one_tensor_deaths`). Otherwise the rows of an earlier
 segment need its own forward over its prefix (the masked reference's one forward per segment,
 `kvtier.reference.replay`): one death tensor cannot give a position both its evicted and its recomputed keys.
+`forward_segments` names the segments that need such a forward; `call_segments` builds one generate call's
+segments from what the engine reports, and `segments_to_json` / `segments_from_json` are the per-sample record
+the rollout returns (`kvtier_segments`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
@@ -82,3 +85,45 @@ def one_tensor_deaths(segments: list[Segment], length: int, num_layers: int, num
     if not segments or not collapses(segments):
         return None
     return segment_deaths(segments[-1], length, num_layers, num_kv_heads)
+
+
+def forward_segments(segments: list[Segment]) -> list[Segment]:
+    """The segments whose rows need a forward of their own, in order: every one that ran a round, and the last.
+    A segment that ran none saw full causal attention, which is what every row before a later segment's start
+    sees in that segment's forward, so its rows are scored there. One entry: `one_tensor_deaths`'s case."""
+    return [s for s in segments[:-1] if s.rounds()] + segments[-1:]
+
+
+def call_segments(prompt_len: int, generated: int, resets: list, *, seed: int, budget: int, buffer: int,
+                  policy: str = "random", policy_params: str | None = None) -> list[Segment]:
+    """One generate call's segments, in the sample's positions (the call's prompt is the sample's first
+    `prompt_len` tokens, as in verl's agent loops and resumed partial rollouts): the first from the prompt,
+    then one after each recompute, given as [reset_row, rounds_before] (the row the resumed prefill sampled
+    from, the rounds applied before it: the engine's `RequestCounters.resets`). A segment's rows end where the
+    next one's begin; the call's last ends at its last generated token. Empty ones (preempted before a token
+    was sampled) are left out."""
+    last = int(prompt_len) + int(generated) - 1
+    starts = [(int(prompt_len), 0)] + sorted((int(row) + 1, int(before)) for row, before in resets)
+    out = []
+    for i, (start, before) in enumerate(starts):
+        end = starts[i + 1][0] - 1 if i + 1 < len(starts) else last
+        if end >= start:
+            out.append(Segment(start=start, end=end, prompt_len=int(prompt_len), seed=int(seed), budget=int(budget),
+                               buffer=int(buffer), policy=policy, policy_params=policy_params, rounds_before=before))
+    return out
+
+
+def segments_to_json(segments: list[Segment]) -> str:
+    return json.dumps([asdict(s) for s in segments], separators=(",", ":"))
+
+
+def segments_from_json(text: str) -> list[Segment]:
+    """The segments of a `segments_to_json` record; ValueError unless they are in order, each row range after
+    the previous one's (rows [start - 1, end), not overlapping)."""
+    segments = [Segment(**d) for d in json.loads(text)]
+    for a, b in zip(segments, segments[1:]):
+        if b.start - 1 < a.end:
+            raise ValueError(f"segments out of order: {a} then {b}")
+    if any(s.end < s.start for s in segments):
+        raise ValueError(f"an empty segment in {text}")
+    return segments

@@ -17,6 +17,9 @@ class RequestCounters:
     tokens_evicted: int = 0    # per KV head (each head evicts the same count, different tokens)
     peak_blocks: int = 0
     preemptions: int = 0
+    # one [reset_row, rounds_before] per recompute: the row the resumed prefill sampled from and the rounds
+    # applied before it (what the learner needs to replay the request by segment: kvtier.deathtime.segments)
+    resets: list = field(default_factory=list)
 
 
 @dataclass

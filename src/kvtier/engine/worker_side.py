@@ -178,7 +178,9 @@ class WorkerEviction:
             st = self.requests.get(rid)
             if st is not None:
                 st.reset()
-            self.stats.request(rid).preemptions += 1
+            rc = self.stats.request(rid)
+            rc.preemptions += 1
+            rc.resets.append([int(row), rc.events])
             if self.audit is not None:
                 self.audit.write(req_id=rid, reset_row=row)
         self.stats.engine.blocks_freed += payload.blocks_freed

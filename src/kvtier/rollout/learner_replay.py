@@ -14,10 +14,12 @@ of receiving ~37 MB per sample at Qwen3-4B shapes and 32k tokens. Nothing dense 
 forward builds its micro-batch's deaths one sample at a time on the host, derived once per step (by background
 workers as soon as a forward receives its batch: `replay_prefetch`) and kept compactly in a bounded store
 (`replay_batch`), and writes them into the micro-batch's tensor on the learner's device (`kvtier bench
-replay-memory`). A sample the learner cannot replay goes down the dense path and is counted (`replay_status`): full attention, a cache rebuilt mid-generation
-(`rebuilt`: a preemption's recompute), several generate calls (`multi_call`: each turn drew its own
-evictions), a policy that reads the cache (`policy`), or no kvtier per-sample fields (`no_record`: the
-agent-loop manager is not kvtier's).
+replay-memory`). A sample generated on several caches (a preemption's recompute, tool turns, resumed partial
+rollouts) is replayed by segment from its `kvtier_segments` record: one forward row per segment that evicted,
+each token's log-prob taken from its own segment's row (`replay_segments`). A sample the learner cannot replay
+goes down the dense path and is counted (`replay_status`): full attention, a rebuilt cache or several generate
+calls without a segment record (`rebuilt`, `multi_call`), a policy that reads the cache (`policy`), or no
+kvtier per-sample fields (`no_record`: the agent-loop manager is not kvtier's).
 
 **Where it hooks in** (no verl file changed): verl's `EngineRegistry` builds the actor's (and the
 reference's) training engine by `actor_rollout_ref.model.model_type`; `register_engine` adds
@@ -51,10 +53,11 @@ import logging
 from contextlib import contextmanager
 from typing import Any
 
-from .replay_batch import (STORE_BYTES, batch_fields, micro_batch_deaths, prompt_lengths, replay_store,  # noqa: F401
-                           sample_deaths, stored_sample_deaths)
+from .replay_batch import (STORE_BYTES, batch_fields, micro_batch_deaths, prompt_lengths, replay_rows,  # noqa: F401
+                           replay_store, sample_deaths, stored_sample_deaths)
 from .replay_prefetch import current_store, prefetch_batch
-from .replay_status import FIELDS, REPLAYABLE_POLICIES, STATUSES, replay_status  # noqa: F401
+from .replay_segments import expand_micro_batch, expands, gather_outputs
+from .replay_status import FIELDS, REPLAYABLE_POLICIES, STATUSES, by_segment, replay_status  # noqa: F401
 
 logger = logging.getLogger("kvtier.rollout")
 
@@ -81,12 +84,17 @@ def check_learner_config(learner: str, model_type: str | None) -> None:
 LEARNER_METRICS = "actor/kvtier_replay"
 
 
+BY_SEGMENT = "replayed_by_segment"      # the replayed samples scored by segment (a subset of `replayed`)
+
+
 def learner_shares(counts: dict[str, int]) -> dict[str, Any]:
-    """One forward's share of samples per replay status as verl `Metric`s (mean over micro-batches and ranks)."""
+    """One forward's share of samples per replay status as verl `Metric`s (mean over micro-batches and ranks),
+    and of those replayed by segment when `counts` has BY_SEGMENT."""
     from verl.utils.metric.utils import Metric
 
-    total = sum(counts.values()) or 1
-    return {f"{LEARNER_METRICS}/{status}_share": Metric("mean", counts.get(status, 0) / total) for status in STATUSES}
+    total = sum(counts.get(status, 0) for status in STATUSES) or 1
+    keys = STATUSES + ((BY_SEGMENT,) if BY_SEGMENT in counts else ())
+    return {f"{LEARNER_METRICS}/{key}_share": Metric("mean", counts.get(key, 0) / total) for key in keys}
 
 
 def check_engine_config(model_config, engine_config) -> None:
@@ -126,6 +134,7 @@ def replay_engine_class(base: type) -> type:
             super().__init__(model_config, engine_config, *args, **kwargs)
             self._replay_logged = False
             self._replay_counts = None
+            self._expansion = None            # (expanded micro-batch, its rows) between inputs and outputs
             if self._full_ref and self._reference_engine:
                 logger.warning("kvtier learner replay: the reference policy scores at full attention (%s)",
                                FULL_REF_MODEL_TYPE)
@@ -157,26 +166,47 @@ def replay_engine_class(base: type) -> type:
             return super().forward_backward_batch(data, loss_function, forward_only)
 
         def prepare_model_inputs(self, micro_batch):
+            """verl's inputs plus the death tensor; a micro-batch with samples replayed by segment is first
+            expanded into one row per segment that evicted (`replay_segments`), and verl's inputs are built
+            for those rows."""
             from kvtier.deathtime.attention import DEATHS_KWARG
 
-            model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+            self._expansion = None
             if self.scores_at_full_attention():
                 self._replay_counts = None
-                return model_inputs, output_args
+                return super().prepare_model_inputs(micro_batch)
+            rows = replay_rows(micro_batch)
+            batch = micro_batch
+            if expands(rows):
+                batch = expand_micro_batch(micro_batch, rows)
+                self._expansion = (batch, rows)
+            model_inputs, output_args = super().prepare_model_inputs(batch)
             ids = model_inputs["input_ids"]
             layers, heads = self._shape()
             deaths, counts = micro_batch_deaths(
                 micro_batch, ids.shape[-1], packed=model_inputs.get("attention_mask") is None, num_layers=layers,
-                num_kv_heads=heads, device=ids.device, store=current_store())
+                num_kv_heads=heads, device=ids.device, store=current_store(), rows=rows)
+            counts[BY_SEGMENT] = sum(by_segment(f) for f in batch_fields(micro_batch))
             if not self._replay_logged:                  # one line: replay is on, and what it found
                 self._replay_logged = True
-                logger.warning("kvtier learner replay: first micro-batch (%s, %d columns): %s", "packed" if
-                               model_inputs.get("attention_mask") is None else "padded", ids.shape[-1],
-                               {k: v for k, v in counts.items() if v})
+                logger.warning("kvtier learner replay: first micro-batch (%s, %d columns, %d rows): %s", "packed"
+                               if model_inputs.get("attention_mask") is None else "padded", ids.shape[-1],
+                               len(rows), {k: v for k, v in counts.items() if v})
             if deaths is not None:
                 model_inputs[DEATHS_KWARG] = deaths
             self._replay_counts = counts
             return model_inputs, output_args
+
+        def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+            """verl's outputs; for an expanded micro-batch, computed on its rows and gathered back into the
+            samples' (each token from its own segment's row)."""
+            if self._expansion is None:
+                return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+            batch, rows = self._expansion
+            self._expansion = None
+            out = super().prepare_model_outputs(output, output_args, batch, logits_processor_func)
+            offsets = micro_batch["input_ids"].offsets()
+            return gather_outputs(out, rows, offsets.diff().tolist(), offsets)
 
         def forward_step(self, micro_batch, loss_function, forward_only):
             """verl's forward, plus what this forward did with each sample: `actor/kvtier_replay/<status>_share`

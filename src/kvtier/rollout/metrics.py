@@ -18,11 +18,13 @@ verl's agent loop (`AgentLoopWorker._postprocess`) turns every extra field into 
 | `kvtier_seed`, `kvtier_buffer`, `kvtier_policy` | the first call's eviction seed (the server assigns one when the request has none), r and policy: for `random` the learner re-derives the sample's evictions from them (`kvtier.deathtime.simulate_deaths`) |
 | `kvtier_policy_params` | the first call's policy keyword arguments as sorted JSON (protect_prefix included; None if none) |
 | `kvtier_generate_calls` | generate calls counted (turns, plus resumed attempts of partial rollouts) |
+| `kvtier_segments` | every call's segments, one per cache (JSON, `kvtier.deathtime.segments`): a rebuilt or multi-call sample is replayed by them |
 
 `eviction_metrics(batch)` reduces them to scalars (`rollout/kvtier/<column>/mean|max` over the compressed
 samples, `rollout/kvtier/generate_calls/mean|max` over all, `rollout/kvtier/compressed_fraction`, and
 `rollout/kvtier/replayable/<status>`: how many samples came back with a record the learner can replay, and
-why the others cannot, `kvtier.rollout.learner_replay.replay_status`; what the rollout returned, whatever the
+why the others cannot, `kvtier.rollout.learner_replay.replay_status`; `rollout/kvtier/replayed_by_segment`: how
+many of the replayable ones are replayed segment by segment; what the rollout returned, whatever the
 learner then does: a replay learner logs its own forwards' shares as `actor/kvtier_replay/<status>_share`). `mismatch_metrics` compares the learner's old
 log-probs with the rollout's per token (the v1 `kvtier_<mode>` trainers log it as `rollout/kvtier/mismatch/...`). How they reach the trainer's logged metrics (see
 `kvtier.rollout.trainer_hooks`): with `trainer.use_v1=false`, `KVTierAgentLoopManager` adds them to the
@@ -43,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from .learner_replay import FIELDS as REPLAY_FIELDS
-from .learner_replay import STATUSES, replay_status
+from .learner_replay import STATUSES, by_segment, replay_status
 
 COLUMNS = ("kvtier_eviction_events", "kvtier_tokens_evicted", "kvtier_peak_kv_blocks", "kvtier_preemptions")
 CALLS = "kvtier_generate_calls"
@@ -99,6 +101,7 @@ def eviction_metrics_from_fields(fields, prefix: str = "rollout/kvtier") -> dict
     statuses = [replay_status(r) for r in rows]
     for status in STATUSES:
         out[f"{prefix}/replayable/{status}"] = float(statuses.count(status))
+    out[f"{prefix}/replayed_by_segment"] = float(sum(by_segment(r) for r in rows))   # of replayable/replayed
     return out
 
 

@@ -3,8 +3,10 @@
 Each replayed sample's [layers, kv_heads, length] deaths are re-derived from its record (`sample_deaths`:
 `kvtier.deathtime.simulate_deaths`, equal to the engine's audit log) once per step and kept compactly in a
 bounded store (`replay_store`); a forward's micro-batch tensor is filled from the store one sample at a time
-(`micro_batch_deaths`), on the learner's device. `derive_encoded` is the unit of work the background workers
-(`replay_prefetch`) run: a picklable function of the sample's fields and shape.
+(`micro_batch_deaths`), on the learner's device. A sample replayed by segment (`replay_segments`) has a row per
+segment that evicted, each derived and stored on its own (`stored_segment_deaths`). `derive_encoded` and
+`derive_segment_encoded` are the units of work the background workers (`replay_prefetch`) run: picklable
+functions of a sample's fields (or a segment) and shape.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .replay_status import FIELDS, STATUSES, replay_status
+from .replay_segments import Row, sample_rows
+from .replay_status import FIELDS, STATUSES, by_segment, replay_status, segment_record
 
 
 def _policy_schedule(fields: Mapping[str, Any]):
@@ -54,6 +57,20 @@ def derive_encoded(fields: Mapping[str, Any], prompt_len: int, length: int, num_
     return encode(sample_deaths(fields, prompt_len, length, num_layers, num_kv_heads), times)
 
 
+def segment_key(segment, num_layers: int, num_kv_heads: int) -> tuple:
+    """What identifies a segment's derivation in the store."""
+    return ("segment", segment, int(num_layers), int(num_kv_heads))
+
+
+def derive_segment_encoded(segment, num_layers: int, num_kv_heads: int):
+    """A segment's deaths over its rows' keys [0, end) in the store's compact form."""
+    from kvtier.deathtime.segments import segment_deaths
+    from kvtier.deathtime.store import encode
+
+    deaths = segment_deaths(segment, segment.end, int(num_layers), int(num_kv_heads))
+    return encode(deaths, [qp + 1 for qp in segment.rounds()])
+
+
 # One step's forwards (reference, old log-probs, each PPO epoch) share each sample's derivation through this
 # store: compact (a uint8 round index per entry: 9.4 MB per 32k sample at Qwen3-4B shapes), admitted while it
 # fits, dropped when the next step starts (`kvtier.deathtime.store`). KVTIER_REPLAY_STORE_BYTES=0 turns it off.
@@ -78,6 +95,13 @@ def stored_sample_deaths(fields: Mapping[str, Any], prompt_len: int, length: int
     store = replay_store() if store is None else store
     key = sample_key(fields, prompt_len, length, num_layers, num_kv_heads)
     return store.serve(key, lambda: derive_encoded(fields, prompt_len, length, num_layers, num_kv_heads))
+
+
+def stored_segment_deaths(segment, num_layers: int, num_kv_heads: int, store=None):
+    """`stored_sample_deaths` for one segment of a sample replayed by segment: its keys [0, segment.end)."""
+    store = replay_store() if store is None else store
+    return store.serve(segment_key(segment, num_layers, num_kv_heads),
+                       lambda: derive_segment_encoded(segment, num_layers, num_kv_heads))
 
 
 def batch_fields(micro_batch) -> list[dict[str, Any]]:
@@ -116,49 +140,77 @@ def sample_lengths(batch) -> list[int]:
     return batch["input_ids"].offsets().diff().tolist()
 
 
+def replay_rows(micro_batch, fields: list[dict] | None = None) -> list[Row]:
+    """The forward rows of a micro-batch, in sample order (`replay_segments.sample_rows`): one per sample,
+    or one per segment that evicted for a sample replayed by segment."""
+    fields = batch_fields(micro_batch) if fields is None else fields
+    lengths = sample_lengths(micro_batch)
+    return [row for b, (f, n) in enumerate(zip(fields, lengths))
+            for row in sample_rows(b, n, segment_record(f) if by_segment(f) else None)]
+
+
 def replayed_samples(batch, num_layers: int, num_kv_heads: int) -> list[tuple[tuple, tuple]]:
-    """(store key, `derive_encoded` arguments) of every replayed sample of a verl batch, in batch order."""
+    """(store key, work: a derivation function and its arguments) of every replayed row of a verl batch, in
+    batch order (`replay_prefetch` runs the work)."""
     fields = batch_fields(batch)
     if not any(replay_status(f) == "replayed" for f in fields):
         return []
+    shape = (int(num_layers), int(num_kv_heads))
     out = []
-    for f, p, n in zip(fields, prompt_lengths(batch), sample_lengths(batch)):
-        if replay_status(f) == "replayed":
-            args = (f, int(p), int(n), int(num_layers), int(num_kv_heads))
-            out.append((sample_key(*args), args))
+    prompts = prompt_lengths(batch)
+    for row in replay_rows(batch, fields):
+        f = fields[row.sample]
+        if replay_status(f) != "replayed":
+            continue
+        if row.segment is not None:
+            out.append((segment_key(row.segment, *shape), (derive_segment_encoded, row.segment, *shape)))
+        else:
+            args = (f, int(prompts[row.sample]), int(row.length), *shape)
+            out.append((sample_key(*args), (derive_encoded, *args)))
     return out
 
 
 def micro_batch_deaths(micro_batch, width: int, *, packed: bool, num_layers: int, num_kv_heads: int,
-                       device: torch.device | str = "cpu", store=None) -> tuple[Tensor | None, dict[str, int]]:
+                       device: torch.device | str = "cpu", store=None,
+                       rows: list[Row] | None = None) -> tuple[Tensor | None, dict[str, int]]:
     """The death tensor for one forward of verl's engine, on `device`, and how many samples took each path.
 
-    padded (use_remove_padding=false): [B, layers, kv_heads, width], sample b in columns 0..len_b-1;
-    packed (true): [1, layers, kv_heads, width], sample b at its cu_seqlens offset and every key dead at its
-    segment's end. None when no sample is replayed (the layer runs plain SDPA). Samples are derived one at a
-    time on the host (or read from `store`, default `replay_store()`: once per step) and copied in: the host
-    holds one sample's dense tensor at a time, beside the store's compact ones."""
+    rows: the forward's rows (`replay_rows(micro_batch)`, the default: one per sample unless a sample is
+    replayed by segment). padded (use_remove_padding=false): [rows, layers, kv_heads, width], row r in columns
+    0..len_r-1; packed (true): [1, layers, kv_heads, width], row r at its offset in the packed sequence and
+    every key dead at its row's end. None when no sample is replayed (the layer runs plain SDPA). Rows are
+    derived one at a time on the host (or read from `store`, default `replay_store()`: once per step) and
+    copied in: the host holds one row's dense tensor at a time, beside the store's compact ones."""
     from kvtier.deathtime import NEVER
 
     fields = batch_fields(micro_batch)
-    offsets = micro_batch["input_ids"].offsets().tolist()
-    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
     statuses = [replay_status(f) for f in fields]
     counts = {s: statuses.count(s) for s in STATUSES}
     if "replayed" not in statuses:
         return None, counts
+    rows = replay_rows(micro_batch, fields) if rows is None else rows
     prompts = prompt_lengths(micro_batch)
-    out = torch.full((1 if packed else len(fields), num_layers, num_kv_heads, width), NEVER, dtype=torch.int32,
+    out = torch.full((1 if packed else len(rows), num_layers, num_kv_heads, width), NEVER, dtype=torch.int32,
                      device=device)
-    for b, (f, status) in enumerate(zip(fields, statuses)):
-        start = offsets[b] if packed else 0
-        end = start + lengths[b]
-        row = out[0 if packed else b, :, :, start:end]
-        if status != "replayed":
+    offset = 0
+    for r, row in enumerate(rows):
+        start = offset if packed else 0
+        end = start + row.length
+        offset += row.length
+        dst = out[0 if packed else r, :, :, start:end]
+        if statuses[row.sample] != "replayed":
             if packed:
-                row.fill_(end)                          # full attention inside its own segment only
+                dst.fill_(end)                          # full attention inside its own segment only
             continue
-        index, table = stored_sample_deaths(f, prompts[b], lengths[b], num_layers, num_kv_heads, store)
+        if row.segment is None:
+            index, table = stored_sample_deaths(fields[row.sample], prompts[row.sample], row.length, num_layers,
+                                                num_kv_heads, store)
+            covered = row.length
+        else:                                           # keys from the segment's end on never die in its rows
+            index, table = stored_segment_deaths(row.segment, num_layers, num_kv_heads, store)
+            covered = row.segment.end
+            if packed:
+                dst[..., covered:].fill_(end)
         table = np.where(table == NEVER, table, table + start)      # shifted to its columns: 231 values, not 9.4M
-        row.copy_(torch.from_numpy((np.minimum(table, end) if packed else table)[index]))
+        dst[..., :covered].copy_(torch.from_numpy((np.minimum(table, end) if packed else table)[index]))
     return out, counts

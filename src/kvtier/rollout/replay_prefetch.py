@@ -24,7 +24,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPool
 from functools import partial
 from typing import Callable, Hashable
 
-from .replay_batch import derive_encoded, replay_store, replayed_samples
+from .replay_batch import replay_store, replayed_samples
 
 logger = logging.getLogger("kvtier.rollout")
 
@@ -54,7 +54,7 @@ class Prefetcher:
         self._pool = make_pool(kind, self.workers)
         # re-entrant: cancelling a future, or watching one already done, runs its callback (which locks) at once
         self._lock = threading.RLock()
-        self._queued: OrderedDict[Hashable, tuple] = OrderedDict()    # key -> derive_encoded's arguments
+        self._queued: OrderedDict[Hashable, tuple] = OrderedDict()    # key -> work: (function, *arguments)
         self._futures: dict[Hashable, Future] = {}                    # submitted, not yet taken or stored
         self._held: set[Hashable] = set()                             # done, not stored, not yet taken
         self._running = 0
@@ -63,7 +63,8 @@ class Prefetcher:
         self.inline = 0                                               # derivations a forward did itself
 
     def prefetch(self, samples: list[tuple[Hashable, tuple]]) -> None:
-        """Queue (key, `derive_encoded` arguments) pairs, in the order the forwards will want them."""
+        """Queue (key, work) pairs, in the order the forwards will want them; work is a picklable derivation
+        function and its arguments (`replay_batch.replayed_samples`: `derive_encoded`, `derive_segment_encoded`)."""
         step = self.store.begin([k for k, _ in samples])
         with self._lock:
             if step != self._step:                    # a new step: what was queued for the last one is moot
@@ -73,9 +74,9 @@ class Prefetcher:
                 for fut in futures:
                     fut.cancel()
                 self._held.clear()
-            for key, args in samples:
+            for key, work in samples:
                 if key not in self._futures and key not in self._queued and self.store.peek(key) is None:
-                    self._queued[key] = args
+                    self._queued[key] = work
             started = self._pump()
         self._watch(started)
 
@@ -83,8 +84,8 @@ class Prefetcher:
         """Submit queued work up to the bound (under the lock); what was submitted, for `_watch`."""
         started = []
         while self._queued and self._running + len(self._held) < self.workers + self.window:
-            key, args = self._queued.popitem(last=False)
-            fut = self._pool.submit(derive_encoded, *args)
+            key, work = self._queued.popitem(last=False)
+            fut = self._pool.submit(*work)
             self._futures[key] = fut
             self._running += 1
             started.append((key, self._step, fut))

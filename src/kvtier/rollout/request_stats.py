@@ -82,6 +82,20 @@ def policy_params(spec) -> str | None:
     return json.dumps(kw, sort_keys=True) if kw else None
 
 
+def segments_record(spec, prompt_len: int, generated: int, counters: dict | None) -> str | None:
+    """`kvtier_segments` of one generate call: its segments (`kvtier.deathtime.segments.call_segments`: one
+    from the prompt, one after each recompute the engine reported) as JSON, so the learner can replay a sample
+    made of several calls or rebuilt caches segment by segment; None for full attention and elastic budgets
+    (their rounds follow a budget that changes mid-request)."""
+    if spec is None or not spec.compressed or spec.elastic:
+        return None
+    from kvtier.deathtime.segments import call_segments, segments_to_json
+
+    return segments_to_json(call_segments(prompt_len, generated, (counters or {}).get("resets") or [],
+                                          seed=spec.seed, budget=spec.budget, buffer=spec.buffer,
+                                          policy=spec.policy_name, policy_params=policy_params(spec)))
+
+
 def eviction_seed(request_id: str, deterministic_seed: int | None) -> int:
     """The `kvtier_seed` a compressed request gets when it has none: what the learner re-derives a `random`
     sample's evictions from (`kvtier.deathtime.simulate_deaths`), so nothing but this integer travels. Fresh

@@ -31,7 +31,8 @@ So kvtier's agent-loop workers (`kvtier.rollout.trainer_hooks`) add them up on t
    TransferQueue's `extra_fields`), the worker writes the totals into the output's `extra_fields`
    (`apply_totals`): events, tokens evicted and preemptions summed, peak KV blocks the max, `kvtier_budget`,
    `kvtier_request_id` (the audit-log key), `kvtier_protect_prefix` and the eviction's seed, buffer and
-   policy from the first call, and
+   policy from the first call, `kvtier_segments` every call's segments in call order (the learner replays a
+   multi-call or rebuilt sample by them; None when some call had none: a full-attention call), and
    `kvtier_generate_calls`, the number of calls counted.
 
 Memory: one small object per running trajectory, held by its task's context and gone with it; nothing is
@@ -44,6 +45,7 @@ not call `LLMServerClient.generate` is not counted (the sample keeps what its ag
 from __future__ import annotations
 
 import contextvars
+import json
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -54,6 +56,7 @@ MAX_FIELDS = ("kvtier_peak_kv_blocks",)
 FIRST_FIELDS = ("kvtier_budget", "kvtier_request_id", "kvtier_protect_prefix", "kvtier_seed", "kvtier_buffer",
                 "kvtier_policy", "kvtier_policy_params")
 CALLS_FIELD = "kvtier_generate_calls"
+SEGMENTS_FIELD = "kvtier_segments"       # JSON lists (kvtier.deathtime.segments), concatenated over the calls
 
 _CURRENT: contextvars.ContextVar["SampleCounters | None"] = contextvars.ContextVar("kvtier_sample_counters",
                                                                                   default=None)
@@ -70,17 +73,19 @@ def _merge(a, b, op):
 class SampleCounters:
     """The kvtier fields of one sample, over every generate call recorded so far."""
 
-    __slots__ = ("calls", "fields")
+    __slots__ = ("calls", "fields", "segments")
 
     def __init__(self) -> None:
         self.calls = 0
         self.fields: dict[str, Any] = {}
+        self.segments: list[str | None] = []     # each call's `kvtier_segments` (None: it reported none)
 
     def add(self, extra: dict | None) -> None:
         """One server call's `extra_fields` (ignored unless a kvtier server ran it)."""
         if not extra or "kvtier_budget" not in extra:
             return
         self.calls += 1
+        self.segments.append(extra.get(SEGMENTS_FIELD))
         if self.calls == 1:
             self.fields = {k: extra.get(k) for k in FIRST_FIELDS + SUM_FIELDS + MAX_FIELDS}
             return
@@ -91,7 +96,13 @@ class SampleCounters:
 
     def totals(self) -> dict[str, Any]:
         """The fields to write into the sample's output ({} if no kvtier call was recorded)."""
-        return {**self.fields, CALLS_FIELD: self.calls} if self.calls else {}
+        if not self.calls:
+            return {}
+        out = {**self.fields, CALLS_FIELD: self.calls}
+        if any(r is not None for r in self.segments):   # a server that reports segments (else no such key)
+            out[SEGMENTS_FIELD] = (None if any(r is None for r in self.segments) else
+                                   json.dumps([s for r in self.segments for s in json.loads(r)], separators=(",", ":")))
+        return out
 
 
 @contextmanager

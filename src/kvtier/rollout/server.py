@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from .admission import AdmissionMixin
 from .prompt_protection import FirstPrompts, protect_prefix
-from .request_stats import STAT_FIELDS, StatsFetcher, policy_params, seeded_spec
+from .request_stats import STAT_FIELDS, StatsFetcher, policy_params, seeded_spec, segments_record
 from .settings import KVTierRolloutSettings, engine_args_from_rollout, split_request_params
 from .weight_sync import WeightSyncMixin
 
@@ -301,6 +301,7 @@ class KVTierServer(WeightSyncMixin, AdmissionMixin):
         extra["kvtier_buffer"] = spec.buffer if budget is not None else None
         extra["kvtier_policy"] = spec.policy_name if budget is not None else None
         extra["kvtier_policy_params"] = policy_params(spec) if budget is not None else None
+        extra["kvtier_segments"] = segments_record(spec, len(prompt_ids), len(token_ids), counters)
         for key, field in STAT_FIELDS.items():
             extra[key] = (counters or {}).get(field, 0) if budget is not None else None
         num_preempted = extra["kvtier_preemptions"]
