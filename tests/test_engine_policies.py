@@ -23,7 +23,7 @@ BUFFER = 16
 BUDGET = 64
 TOKENS = 200
 PROMPT = "Let x = 42. Then the answer is \\boxed{x} and we continue to reason about it " * 2
-POLICIES = ["h2o", "rkv", "vase", "triattention", "diverse", "random_reserve"]
+POLICIES = ["h2o", "rkv", "vase", "triattention", "diverse", "random_reserve", "random_line_reserve"]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,8 @@ def _kvtier_of(worker):
 
 def params(policy, calibration_path, **extra):
     kw = {"calibration": calibration_path} if policy == "triattention" else {}
+    if policy == "random_line_reserve":   # K − p = 64 − 55 = 9 seats: one anchor of 3 (the default span needs 11)
+        kw = {"reserve": 0.5, "span": 1}
     return SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=0,
                           extra_args=sampling_extra_args(budget=BUDGET, policy=policy, buffer=BUFFER, seed=7,
                                                          params=kw or None, **extra))
@@ -61,23 +63,30 @@ def params(policy, calibration_path, **extra):
 
 @pytest.fixture(scope="module")
 def batch(llm, calibration_path):
-    """Every policy in one batch; H2O's accumulated attention recorded at each round before selection."""
+    """Every policy in one batch; H2O's accumulated attention recorded at each round before selection,
+    random_line_reserve's reserved positions (its anchors' spans, from the request's state) after it."""
     ev = llm.collective_rpc(_kvtier_of)[0]
-    rounds = []
+    rounds, reserved = [], {}
     select = ev._select_one
 
     def spy(op, st, pos, blocks):
         if op.spec.policy == "h2o":
             rounds.append({"query_position": op.query_position, "old_len": op.old_len,
                            "attention": st.attention[:, :, : op.old_len].clone(), "positions": pos.clone()})
-        return select(op, st, pos, blocks)
+        out = select(op, st, pos, blocks)
+        if op.spec.policy == "random_line_reserve":
+            mine, span = st.extras["random_line_reserve"], op.spec.make_policy().span
+            anchors = mine["pos"][mine["score"] > float("-inf")]
+            spans = (anchors.unsqueeze(1) + torch.arange(-span, span + 1)).flatten().tolist()
+            reserved[op.query_position] = {p for p in spans if op.prompt_len <= p <= op.query_position - BUFFER}
+        return out
 
     ev._select_one = spy
     try:
         outs = llm.generate([PROMPT] * len(POLICIES), [params(p, calibration_path) for p in POLICIES], use_tqdm=False)
     finally:
         del ev._select_one
-    return dict(zip(POLICIES, outs)), rounds
+    return dict(zip(POLICIES, outs)), rounds, reserved
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -90,19 +99,32 @@ def test_policy_matches_masked_reference(batch, replay, audit_path, policy):
     plen = len(out.prompt_token_ids)
     kept = torch.tensor(rounds[-1]["kept"])
     assert kept.shape == (4, 2, BUDGET)
-    if policy in ("triattention", "random_reserve"):  # protect the prompt by default
+    if policy in ("triattention", "random_reserve", "random_line_reserve"):  # protect the prompt by default
         assert (kept[..., :plen] == torch.arange(plen)).all()
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
     err = (engine_logprobs(out) - replay.logprobs(ids, plen, recs, BUFFER)).abs()
     assert err.max() < 0.06, f"{policy}: max |engine - masked reference| = {err.max():.4f}"
 
 
+def test_random_line_reserve_keeps_its_lines_in_every_layer_and_head(batch, audit_path):
+    """The worker hands the policy the request's state (WorkerRequest.extras): each round's reserved
+    positions are held by every (layer, KV head) in that round's audit record."""
+    out, reserved = batch[0]["random_line_reserve"], batch[2]
+    rounds = [r for r in records_for(audit_path, out.request_id) if "kept" in r]
+    assert [r["query_position"] for r in rounds] == sorted(reserved) and any(reserved.values())
+    for r in rounds:
+        kept = torch.tensor(r["kept"]).flatten(0, 1).tolist()              # [L·H, K]
+        assert all(reserved[r["query_position"]] <= set(row) for row in kept), r["query_position"]
+
+
 def test_policies_choose_differently(batch, audit_path):
-    """Each policy's keep-sets are its own (the engine handed each one what it reads)."""
+    """Each policy's keep-sets are its own (the engine handed each one what it reads). Over every round:
+    random_line_reserve's first round can equal random_reserve's (both a uniform draw from one seed's
+    generator while no reserved line is yet a candidate)."""
     first = {}
     for policy, out in batch[0].items():
         rounds = [r for r in records_for(audit_path, out.request_id) if "kept" in r]
-        first[policy] = torch.tensor(rounds[0]["kept"])
+        first[policy] = torch.stack([torch.tensor(r["kept"]) for r in rounds])
     for a in POLICIES:
         for b in POLICIES:
             if a < b:

@@ -243,6 +243,7 @@ DEFAULT_PARAMS = {
     "random_shared": {"protect_prompt": True, "sinks": 0},
     "random_block": {"protect_prompt": True, "sinks": 0, "block": 16},
     "random_reserve": {"protect_prompt": True, "sinks": 0, "reserve": 0.1},
+    "random_line_reserve": {"protect_prompt": True, "sinks": 0, "reserve": 0.1, "span": 5},
     "recency": {"protect_prompt": True, "sinks": 0},
     "streaming": {"protect_prompt": False, "sinks": 4},
     "h2o": {"protect_prompt": False, "sinks": 4},

@@ -11,7 +11,11 @@ what the engine does each round before selecting, adding the attention of the r 
 round to the accumulated sums (an fp32 recomputation over every cached entry, `accumulated_attention`);
 `triattention` a synthetic calibration (seeded normal series coefficients, uniform norm weights, RoPE
 θ = 1e6 as Qwen3), one "layer" whose heads are the stacked rows — its cost does not depend on the
-coefficient values, only on the shapes, so the bench needs no model.
+coefficient values, only on the shapes, so the bench needs no model. Like the vLLM worker, each policy
+call gets `extras` {"num_layers": layers x batch, "state": a dict kept across the timed rounds (the
+per-request state, `random_line_reserve`'s anchors)} and the newest buffer position as query_position;
+the first (warm-up) round is the one that scores the whole cache. Each policy runs on its own copy of
+the cache, and the rounds of all policies and the floor are timed round-robin (`_time_interleaved`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def _fresh_cache(s: RoundShapes, device: str, gen: torch.Generator) -> DenseHead
     c.keys.normal_(generator=gen)
     c.values.normal_(generator=gen)
     n_gen = L - s.buffer - s.prompt_len  # generated positions held, scattered over a longer trace
-    held = s.prompt_len + torch.rand(rows, 4 * L, generator=gen, device=device).argsort(dim=1)[:, :n_gen]
+    # older than the buffer (a round's candidates always are; random_line_reserve relies on it)
+    held = s.prompt_len + torch.rand(rows, 4 * L - s.prompt_len, generator=gen, device=device).argsort(dim=1)[:, :n_gen]
     prompt = torch.arange(s.prompt_len, device=device).expand(rows, -1)
     c.positions[:, : L - s.buffer] = torch.cat([prompt, held], dim=1)
     c.positions[:, L - s.buffer :] = torch.arange(4 * L, 4 * L + s.buffer, device=device)
@@ -60,24 +65,31 @@ def _fresh_cache(s: RoundShapes, device: str, gen: torch.Generator) -> DenseHead
     return c
 
 
-def _rearm(c: DenseHeadCache, s: RoundShapes) -> None:
-    """Put back r fresh buffer entries so the next round is due again (not timed)."""
+def _rearm(c: DenseHeadCache, s: RoundShapes) -> int:
+    """Put back r fresh buffer entries so the next round is due again (not timed); returns the newest
+    position (the next round's query_position)."""
     settled = s.budget + s.buffer
     top = int(c.positions[:, :settled].max()) + 1
     c.positions[:, settled : settled + s.buffer] = torch.arange(top, top + s.buffer, device=c.positions.device)
     c.length = settled + s.buffer
+    return top + s.buffer - 1
 
 
-def _time(fn, rearm, repeats: int, device: str) -> list[float]:
-    fn(); rearm(); _sync(device)  # warm-up
-    out = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append((time.perf_counter() - t0) * 1e3)
-        rearm()
+def _time_interleaved(timers: dict, repeats: int, device: str) -> dict[str, list[float]]:
+    """ms of each timer's fn, `repeats` times, round-robin (the order rotated every pass): on a shared
+    machine a burst of other work then lands on every policy alike, so ratios within a run hold. Each
+    timer is (fn, rearm), warmed up by the caller; rearm (not timed) makes its next round due."""
+    names = list(timers)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            fn, rearm = timers[name]
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            out[name].append((time.perf_counter() - t0) * 1e3)
+            rearm()
     return out
 
 
@@ -120,14 +132,33 @@ def _h2o_round(policy, cache: DenseHeadCache, schedule: EvictionSchedule, s: Rou
     cache.evict_round(policy, schedule, s.prompt_len, attention=acc[:, :n_cand].gather(1, order), **extras)
 
 
+def _policy_timer(name: str, s: RoundShapes, device: str, gen: torch.Generator, schedule: EvictionSchedule):
+    """(fn, rearm) for one round of `name` on its own fresh cache (the same contents for every policy)."""
+    policy = make_policy(name, **_policy_params(name, s))
+    cache = _fresh_cache(s, device, torch.Generator(device=device).manual_seed(0))
+    newest = [int(cache.positions[0, cache.length - 1])]   # the due round's query_position (host, as the engines)
+
+    def rearm():
+        newest[0] = _rearm(cache, s)
+
+    extras = _policy_extras(name, s, device, gen)
+    if "attention" in policy.needs:
+        rq = torch.randn(s.layers * s.batch * s.query_heads, s.buffer, s.head_dim, generator=gen, device=device)
+        rest = {k: v for k, v in extras.items() if k in ("generator", "query_position")}
+        return (lambda q=rq.to(torch.bfloat16): _h2o_round(policy, cache, schedule, s, q, rest)), rearm
+    extras = {k: v for k, v in extras.items() if k in policy.needs or k == "generator"}
+    extras["extras"] = {"num_layers": s.layers * s.batch, "state": {}}
+    return (lambda: cache.evict_round(policy, schedule, s.prompt_len, query_position=newest[0], **extras)), rearm
+
+
 def run_rounds_bench(s: RoundShapes, *, device: str = "cpu", repeats: int = 20, policies: list[str] | None = None,
                      threads: int | None = 1) -> dict:
+    """Every policy on its own cache (~180 MB at the paper's shapes), timed round-robin with the floor."""
     if threads and device == "cpu":
         torch.set_num_threads(threads)  # on a shared 2-core machine, 2 threads mostly measure contention
     gen = torch.Generator(device=device).manual_seed(0)
     schedule = EvictionSchedule(budget=s.budget, buffer=s.buffer)
-    cache = _fresh_cache(s, device, gen)
-    rearm = lambda: _rearm(cache, s)  # noqa: E731
+    cache = _fresh_cache(s, device, torch.Generator(device=device).manual_seed(0))
 
     # Floor: a full per-head gather of K+r survivors of K and V, for every layer, into preallocated buffers.
     H, L, d = cache.keys.shape
@@ -140,31 +171,28 @@ def run_rounds_bench(s: RoundShapes, *, device: str = "cpu", repeats: int = 20, 
         torch.index_select(cache.keys.view(H * L, d), 0, flat_idx, out=out_k)
         torch.index_select(cache.values.view(H * L, d), 0, flat_idx, out=out_v)
 
-    floor = statistics.median(_time(full_gather, lambda: None, repeats, device))
     moved_mb = 2 * 2 * H * (s.budget + s.buffer) * d * 2 / 1e6  # rows x (K and V) x (read + write) x bf16
 
-    results = {}
+    results: dict = {}
+    timers = {"": (full_gather, lambda: None)}
     for name in policies or available():
-        extras = {}
         try:
-            policy = make_policy(name, **_policy_params(name, s))
+            timers[name] = _policy_timer(name, s, device, gen, schedule)
         except Exception as exc:  # a policy that needs construction data the bench cannot make
             results[name] = {"skipped": str(exc)}
-            continue
-        extras = _policy_extras(name, s, device, gen)
-        if "attention" in policy.needs:
-            rq = torch.randn(s.layers * s.batch * s.query_heads, s.buffer, s.head_dim, generator=gen, device=device)
-            rest = {k: v for k, v in extras.items() if k in ("generator", "query_position")}
-            fn = lambda p=policy, q=rq.to(torch.bfloat16), e=rest: _h2o_round(p, cache, schedule, s, q, e)  # noqa: E731
-        else:
-            extras = {k: v for k, v in extras.items() if k in policy.needs or k in ("generator", "query_position")}
-            fn = lambda p=policy, e=extras: cache.evict_round(p, schedule, s.prompt_len, **e)  # noqa: E731
+    for name in list(timers):   # warm-up; a policy that fails its first round is reported, not timed
         try:
-            ms = statistics.median(_time(fn, rearm, repeats, device))
+            fn, rearm = timers[name]
+            fn(); rearm(); _sync(device)
         except Exception as exc:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            continue
+            del timers[name]
+    samples = _time_interleaved(timers, repeats, device)
+    floor = statistics.median(samples.pop(""))
+    for name, ms in samples.items():
+        ms = statistics.median(ms)
         results[name] = {"ms_per_round": round(ms, 3), "ratio_to_full_gather": round(ms / floor, 4)}
+    results = {n: results[n] for n in (policies or available()) if n in results}
 
     return {
         "device": device,
@@ -175,4 +203,5 @@ def run_rounds_bench(s: RoundShapes, *, device: str = "cpu", repeats: int = 20, 
         "full_gather_floor": {"ms_per_round": round(floor, 3), "moved_mb": round(moved_mb, 1)},
         "policies": results,
         "compaction": "hole filling (only the r newest entries move); floor = full per-head gather",
+        "timing": "medians of round-robin repeats (policies and floor interleaved, order rotated each pass)",
     }

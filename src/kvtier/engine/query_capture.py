@@ -33,7 +33,7 @@ class WorkerRequest:
     queries_seen: int = 0
     attention: Tensor | None = None    # [layers, H, capacity] float32; slots >= the cached length are 0
     pending: int = 0                   # newest ring entries whose attention is not yet in `attention`
-    extras: dict = field(default_factory=dict)
+    extras: dict = field(default_factory=dict)   # policies' own state across rounds (ctx.extras["state"])
 
     @property
     def window(self) -> int:

@@ -4,8 +4,9 @@
 counter-based keys (`kvtier.policies.keyed_random`): keyed by (request seed, round, layer, global KV
 head), so a row's draw does not depend on the batch. Any other policy is called per round, with what it
 reads gathered for that request only: candidates' keys/values (and the buffer's keys) from the paged
-cache, the ring of recent queries, accumulated attention. The worker (`worker_side.WorkerEviction`)
-calls these with its device tables and handles a policy that fails.
+cache, the ring of recent queries, accumulated attention, and the request's `WorkerRequest.extras` as
+ctx.extras["state"] (a policy's own state across rounds, e.g. random_line_reserve's anchors). The worker
+(`worker_side.WorkerEviction`) calls these with its device tables and handles a policy that fails.
 """
 
 from __future__ import annotations
@@ -129,12 +130,13 @@ def select_one(op: CompactionOp, st: WorkerRequest, pos: Tensor, blocks: Tensor,
     got = {k: v for k, v in got.items() if k in needs}
     chrono = cand.gather(2, order)
     if op.spec.policy in PER_LAYER_POLICIES:
-        extras = {"num_layers": L, "kv_heads": global_heads}
+        extras = {"num_layers": L, "kv_heads": global_heads, "state": st.extras}
         picks = [policy.evict(EvictionContext(positions=chrono[li], extras={**extras, "layer": li},
                                               **{k: v[li] for k, v in got.items()}, **base)) for li in range(L)]
         ev = torch.stack(picks)
     else:
         stacked = {k: v.reshape(L * v.shape[1], *v.shape[2:]) for k, v in got.items()}
-        ev = policy.evict(EvictionContext(positions=chrono.reshape(L * H, n_cand), extras={"num_layers": L},
+        ev = policy.evict(EvictionContext(positions=chrono.reshape(L * H, n_cand),
+                                          extras={"num_layers": L, "state": st.extras},
                                           **stacked, **base)).view(L, H, -1)
     return order.gather(2, ev).sort(dim=2).values

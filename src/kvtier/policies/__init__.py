@@ -11,7 +11,7 @@ from .schedule import EvictionSchedule
 from .scoring import complement
 
 # Importing the modules registers their policies.
-from . import diverse as _diverse, h2o as _h2o, random as _random, random_reserve as _random_reserve, rkv as _rkv, snapkv as _snapkv, triattention as _triattention, vase as _vase, window as _window  # noqa: E402,F401,E501
+from . import diverse as _diverse, h2o as _h2o, random as _random, random_reserve as _random_reserve, random_line_reserve as _random_line_reserve, rkv as _rkv, snapkv as _snapkv, triattention as _triattention, vase as _vase, window as _window  # noqa: E402,F401,E501
 
 __all__ = [
     "EvictionContext", "EvictionPolicy", "PolicyError", "complement", "CompactionPlan", "DenseHeadCache",

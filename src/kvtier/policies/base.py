@@ -45,6 +45,9 @@ class EvictionContext:
     attention: [H, S] accumulated attention each candidate received (H2O-style state).
     query_position: logical position of the newest token (distance-based scores, causal window masks).
     generator: seeded torch.Generator for stochastic policies.
+    extras:    what else the caller knows: the engines pass `num_layers` (rows are that many layers stacked,
+               row l·H + h) or `layer` (one layer's heads), and `state`, a dict the engine keeps per request
+               across rounds (a policy keeps its own state under its name: random_line_reserve).
     """
 
     positions: Tensor

@@ -59,6 +59,7 @@ class SequenceState:
     argmax: list[int] = field(default_factory=list)
     finished: str | None = None
     records: list[dict] = field(default_factory=list)
+    policy_state: dict = field(default_factory=dict)   # the policy's own state across rounds (ctx.extras["state"])
 
     def output(self) -> Output:
         return Output(self.req.req_id, self.prompt_len, self.tokens, self.logprobs, self.argmax, self.finished,

@@ -106,7 +106,8 @@ def select_evicted(cache: BatchKVCache, seqs: Sequence[SequenceState], rows: lis
                          if "queries" in policy.needs and c.queries is not None else None),
                 attention=gather(c.attention[l]) if "attention" in policy.needs and c.attention is not None else None,
                 generator=seqs[chunk[0]].evict_gen,
-                extras={"layer": l, "num_layers": L}, **base)
+                extras={"layer": l, "num_layers": L,
+                        **({"state": seqs[chunk[0]].policy_state} if nb == 1 else {})}, **base)
             ev = order.gather(1, policy.evict(ctx)).sort(dim=1).values          # [nb*H, e]
             layers.append(ev.view(nb, H, -1))
         per_chunk.append(torch.stack(layers))                                  # [L, nb, H, e]
