@@ -92,6 +92,24 @@ def register(bench_app: typer.Typer) -> None:
         typer.echo(json.dumps(report, indent=2))
 
 
+    @bench_app.command("rl-export")
+    def bench_rl_export(
+        workdir: Path = typer.Option(..., help="A `kvtier bench rl` workdir holding the arm's finished runs."),
+        out: Path = typer.Option(..., help="The model directory to write (with EXPORT.json and service.yaml)."),
+        arm: str = typer.Option("replay"),
+        seed: Optional[int] = typer.Option(None, help="Default: the run that ended best (held-out evicted, then "
+                                           "full accuracy, then the lower seed)."),
+    ) -> None:
+        """A run's end policy as a model directory `make serve`'s config serves (src/kvtier/benchmarks/rl_export.py):
+        `kvtier bench goodput -c OUT/service.yaml` measures it."""
+        from kvtier.benchmarks.rl_export import export_run
+
+        try:
+            meta = export_run(workdir, arm, out, seed)
+        except (ValueError, FileNotFoundError) as exc:
+            raise typer.BadParameter(str(exc)) from None
+        typer.echo(json.dumps({k: meta[k] for k in ("arm", "seed", "chosen_by", "model_id", "heldout")}, indent=1))
+
     @bench_app.command("rl-table")
     def bench_rl_table(report: Path = typer.Argument(..., help="A `kvtier bench rl` JSON (--out).")) -> None:
         """The report's tables as Markdown: per arm pooled over seeds (reward, held-out end and change vs start with

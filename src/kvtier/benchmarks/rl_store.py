@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 
-def _read(path: Path) -> dict:
+def read_kept(path: Path) -> dict:
     """The kept file's {"key", "run"}; {} when there is none or it was cut off mid-write (run it again)."""
     try:
         return json.loads(path.read_text())
@@ -19,7 +19,7 @@ def _read(path: Path) -> dict:
 
 def reuse(path: Path, key: dict) -> dict | None:
     """A finished run kept at `path` if it ran with the settings `key`, else None."""
-    kept = _read(path)
+    kept = read_kept(path)
     return kept["run"] if kept and kept.get("key") == key else None
 
 
@@ -33,7 +33,7 @@ def keep(path: Path, key: dict, run: dict) -> None:
 
 def differing_settings(path: Path, key: dict) -> list[str]:
     """The settings in which the run kept at `path` differs from `key` (empty: none kept, or the same)."""
-    kept = _read(path).get("key") or {}
+    kept = read_kept(path).get("key") or {}
     if not kept:
         return []
     return sorted(k for k in set(kept) | set(key) if kept.get(k) != key.get(k))
