@@ -128,3 +128,17 @@ def test_the_background_workers_derive_each_segment_row_once_per_step():
         pool.shutdown()
     assert torch.equal(got, want) and got.shape[0] == 3
     assert pool.prefetched + pool.inline == 3 and pool.store.derived == 3
+
+
+def test_the_workers_derivations_equal_the_dense_deaths_encoded():
+    """What the background workers store (`derive_encoded`, `derive_segment_encoded`: derived in the compact form)
+    decodes to the dense deaths the learner would otherwise build, for a one-cache sample and a rebuilt segment."""
+    from kvtier.deathtime.store import decode
+    from kvtier.rollout.replay_batch import derive_encoded, derive_segment_encoded
+
+    stored = decode(*derive_encoded(_fields(), 20, 200, SHAPE["num_layers"], SHAPE["num_kv_heads"]))
+    assert torch.equal(stored, sample_deaths(_fields(), 20, 200, **SHAPE))
+    seg = Segment(start=100, end=180, prompt_len=20, rounds_before=3, **RANDOM)
+    stored = decode(*derive_segment_encoded(seg, SHAPE["num_layers"], SHAPE["num_kv_heads"]))
+    assert torch.equal(stored, segment_deaths(seg, seg.end, **SHAPE))
+    assert int((stored < NEVER).sum()) > 0                      # the segment evicted: the comparison is not vacuous

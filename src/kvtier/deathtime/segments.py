@@ -52,7 +52,7 @@ class Segment:
     policy_params: str | None = None
     rounds_before: int = 0
 
-    def _policy_schedule(self):
+    def policy_schedule(self):
         from kvtier.policies import EvictionSchedule, make_policy
 
         params = json.loads(self.policy_params or "{}")
@@ -60,14 +60,14 @@ class Segment:
 
     def rounds(self) -> list[int]:
         """query_position of each round that applied to this segment's rows."""
-        _, schedule = self._policy_schedule()
+        _, schedule = self.policy_schedule()
         return round_positions(schedule, self.prompt_len, self.end, self.start)
 
 
 def segment_deaths(seg: Segment, length: int, num_layers: int, num_kv_heads: int) -> Tensor:
     """[layers, kv_heads, length] int32: the deaths this segment's rows were sampled under (rows outside it:
     meaningless; positions at or after `seg.end` never die)."""
-    policy, schedule = seg._policy_schedule()
+    policy, schedule = seg.policy_schedule()
     d = simulate_deaths(policy, schedule, seg.prompt_len, seg.end, num_layers=num_layers, num_kv_heads=num_kv_heads,
                         seed=seg.seed, start=seg.start, rounds_before=seg.rounds_before)
     out = torch.full((num_layers, num_kv_heads, length), NEVER, dtype=torch.int32)

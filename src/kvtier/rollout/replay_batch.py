@@ -48,13 +48,13 @@ def sample_key(fields: Mapping[str, Any], prompt_len: int, length: int, num_laye
 
 
 def derive_encoded(fields: Mapping[str, Any], prompt_len: int, length: int, num_layers: int, num_kv_heads: int):
-    """A replayed sample's deaths in the store's compact form (`deathtime.store.encode`)."""
-    from kvtier.deathtime import round_positions
-    from kvtier.deathtime.store import encode
+    """A replayed sample's deaths in the store's compact form (`deathtime.store.encode`), derived in that form
+    (`simulate_encoded`: no dense [layers, kv_heads, length] tensor is built)."""
+    from kvtier.deathtime.simulate import simulate_encoded
 
-    _, schedule = _policy_schedule(fields)
-    times = [qp + 1 for qp in round_positions(schedule, int(prompt_len), int(length))]
-    return encode(sample_deaths(fields, prompt_len, length, num_layers, num_kv_heads), times)
+    policy, schedule = _policy_schedule(fields)
+    return simulate_encoded(policy, schedule, int(prompt_len), int(length), num_layers=int(num_layers),
+                            num_kv_heads=int(num_kv_heads), seed=int(fields["kvtier_seed"]))
 
 
 def segment_key(segment, num_layers: int, num_kv_heads: int) -> tuple:
@@ -63,12 +63,13 @@ def segment_key(segment, num_layers: int, num_kv_heads: int) -> tuple:
 
 
 def derive_segment_encoded(segment, num_layers: int, num_kv_heads: int):
-    """A segment's deaths over its rows' keys [0, end) in the store's compact form."""
-    from kvtier.deathtime.segments import segment_deaths
-    from kvtier.deathtime.store import encode
+    """A segment's deaths over its rows' keys [0, end) in the store's compact form, derived in that form."""
+    from kvtier.deathtime.simulate import simulate_encoded
 
-    deaths = segment_deaths(segment, segment.end, int(num_layers), int(num_kv_heads))
-    return encode(deaths, [qp + 1 for qp in segment.rounds()])
+    policy, schedule = segment.policy_schedule()
+    return simulate_encoded(policy, schedule, segment.prompt_len, segment.end, num_layers=int(num_layers),
+                            num_kv_heads=int(num_kv_heads), seed=segment.seed, start=segment.start,
+                            rounds_before=segment.rounds_before)
 
 
 # One step's forwards (reference, old log-probs, each PPO epoch) share each sample's derivation through this
