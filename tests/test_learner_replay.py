@@ -280,6 +280,9 @@ def test_replay_memory_bench_measures_host_and_device_bytes_per_rank():
     assert 0 <= r["host_bytes_per_rank"] < HOST_LIMIT_BYTES and r["within_host_limit"]
     assert r["host_bytes_per_rank_cached_before"] == 32 * r["bytes_per_sample"]
     assert r["seconds_per_sample"] > 0
+    # a learner on an accelerator: the host hands over the stored arrays, the device expands them
+    assert 0 < r["served_host_cpu_seconds_per_sample_device_learner"] < r["served_seconds_per_sample"] + 0.01
+    assert r["host_cpu_seconds_per_sample_per_step_device_learner"] >= r["derivation_cpu_seconds"]
     cp = r["critical_path"]                  # with the background workers: every sample derived once (+ a warm-up)
     assert cp["prefetched"] + cp["derived_by_forwards"] == cp["settings"]["samples"] + 1
 

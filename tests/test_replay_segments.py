@@ -142,3 +142,18 @@ def test_the_workers_derivations_equal_the_dense_deaths_encoded():
     stored = decode(*derive_segment_encoded(seg, SHAPE["num_layers"], SHAPE["num_kv_heads"]))
     assert torch.equal(stored, segment_deaths(seg, seg.end, **SHAPE))
     assert int((stored < NEVER).sum()) > 0                      # the segment evicted: the comparison is not vacuous
+
+
+def test_a_device_expands_the_compact_deaths_as_the_host_does():
+    """Off the CPU the learner's device gathers the stored round index (uint8, or uint16 past 255 rounds) into
+    death times; forced here on the CPU, it equals numpy's gather."""
+    import numpy as np
+
+    from kvtier.rollout.replay_batch import expand
+
+    table = np.asarray([NEVER, 5, 9, 40], dtype=np.int32)
+    for dtype, top in ((np.uint8, 4), (np.uint16, 4)):
+        index = np.random.default_rng(0).integers(0, top, size=(3, 2, 50)).astype(dtype)
+        host = expand(index, table, torch.device("cpu"))
+        assert torch.equal(expand(index, table, torch.device("cpu"), on_device=True), host)
+        assert host.dtype == torch.int32 and int((host == NEVER).sum()) == int((index == 0).sum())

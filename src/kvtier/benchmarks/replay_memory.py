@@ -6,8 +6,12 @@ compactly so a step's forwards (reference, old log-probs, update: `forwards`) de
 builds one micro-batch of `micro_batch` samples at the given shape (Qwen3-4B: 36 layers, 8 KV heads; 32k
 tokens) twice: derived (a store miss) and served (a hit). It reports the peak resident memory of the first
 build above the same process after a warm-up (the transient part), the store's bytes per sample, the seconds
-(wall and CPU) per sample of each build, the CPU seconds of one derivation alone (`simulate_deaths`; a build
-adds encoding and assembling: `derivation_cpu_seconds`), and from them a step on one rank: `samples_per_rank`
+(wall and CPU) per sample of each build, the CPU seconds of one derivation alone (`simulate_encoded`, what the
+workers run; a build adds assembling: `derivation_cpu_seconds`), the host's part of serving a stored sample when
+the learner's device is an accelerator (the device expands the compact form; timed on the meta device:
+`served_host_cpu_seconds_per_sample_device_learner`, the bus transfer of 1-2 bytes a key not counted), and from
+them a step on one rank (`host_cpu_seconds_per_sample_per_step_device_learner`: one derivation and `forwards`
+servings, issue #60's figure): `samples_per_rank`
 samples, the first `samples_stored_per_rank` derived once and served `forwards - 1` times, the rest derived
 every forward.
 `host_bytes_per_rank` is the transient peak plus the store holding those samples. Beside them, what the
@@ -56,7 +60,7 @@ def measure(layers: int, kv_heads: int, tokens: int, prompt: int, budget: int, b
     micro-batch is derived, after a small warm-up build, then the same micro-batch served from the store. The
     learner's device is this CPU here, so the growth includes the micro-batch's death tensor, which a GPU
     learner holds on the device instead."""
-    from kvtier.deathtime import simulate_deaths
+    from kvtier.deathtime.simulate import simulate_encoded
     from kvtier.deathtime.store import DeathStore
     from kvtier.policies import EvictionSchedule, make_policy
     from kvtier.rollout.replay_batch import micro_batch_deaths
@@ -90,14 +94,21 @@ def measure(layers: int, kv_heads: int, tokens: int, prompt: int, budget: int, b
     assert store.derived == micro_batch and store.hits == micro_batch
     tensor_bytes = served.numel() * served.element_size()
     del served
+    # the host's part of serving when the learner's device is an accelerator: the same call on the meta device runs
+    # every host step (store lookup, hand-over of the compact arrays) and no device work (replay_batch.expand)
+    c0 = time.process_time()
+    micro_batch_deaths(mb, tokens, packed=False, num_layers=layers, num_kv_heads=kv_heads, store=store, device="meta")
+    served_host_cpu = time.process_time() - c0
     c0 = time.process_time()                           # the derivation alone (a fresh seed), as issue #60 counts it
-    simulate_deaths(make_policy("random"), EvictionSchedule(budget, buffer), prompt, tokens, num_layers=layers,
+    simulate_encoded(make_policy("random"), EvictionSchedule(budget, buffer), prompt, tokens, num_layers=layers,
                     num_kv_heads=kv_heads, seed=micro_batch)
     derivation_cpu = time.process_time() - c0
     return {"rss_peak_growth_bytes": growth, "seconds_per_sample": seconds / micro_batch,
             "derivation_cpu_seconds": derivation_cpu,
             "cpu_seconds_per_sample": cpu / micro_batch, "served_seconds_per_sample": served_s / micro_batch,
-            "served_cpu_seconds_per_sample": served_cpu / micro_batch, "store_bytes_per_sample": store.bytes // micro_batch,
+            "served_cpu_seconds_per_sample": served_cpu / micro_batch,
+            "served_host_cpu_seconds_per_sample_device_learner": served_host_cpu / micro_batch,
+            "store_bytes_per_sample": store.bytes // micro_batch,
             "death_tensor_bytes": tensor_bytes}
 
 
@@ -205,6 +216,7 @@ def run_replay_memory_bench(*, layers: int = 36, kv_heads: int = 8, tokens: int 
         "cpu_seconds_per_sample": round(m["cpu_seconds_per_sample"], 3),
         "served_seconds_per_sample": round(m["served_seconds_per_sample"], 3),
         "derivation_cpu_seconds": round(m["derivation_cpu_seconds"], 3),
+        "served_host_cpu_seconds_per_sample_device_learner": round(m["served_host_cpu_seconds_per_sample_device_learner"], 4),
         "store_bytes_per_sample": m["store_bytes_per_sample"],
         "store_max_bytes": store_bytes,
         "samples_stored_per_rank": stored,
@@ -213,6 +225,10 @@ def run_replay_memory_bench(*, layers: int = 36, kv_heads: int = 8, tokens: int 
         "cpu_seconds_per_step": step["cpu_seconds"],
         "host_limit_bytes": HOST_LIMIT_BYTES,
         "within_host_limit": host < HOST_LIMIT_BYTES,
+        # issue #60's figure for a learner on an accelerator: one derivation (in the store's form, by a worker or
+        # inline) and the host's part of each forward's serving (the device expands: replay_batch.expand)
+        "host_cpu_seconds_per_sample_per_step_device_learner": round(
+            m["derivation_cpu_seconds"] + forwards * m["served_host_cpu_seconds_per_sample_device_learner"], 3),
         **({"critical_path": run_worker_bench(**{k: args[k] for k in args if k != "micro_batch"}, samples=worker_samples,
                                               forwards=forwards, workers=workers, kind=pool,
                                               device_seconds=device_seconds)} if workers > 0 else {}),

@@ -213,5 +213,14 @@ def micro_batch_deaths(micro_batch, width: int, *, packed: bool, num_layers: int
             if packed:
                 dst[..., covered:].fill_(end)
         table = np.where(table == NEVER, table, table + start)      # shifted to its columns: 231 values, not 9.4M
-        dst[..., :covered].copy_(torch.from_numpy((np.minimum(table, end) if packed else table)[index]))
+        dst[..., :covered].copy_(expand(index, np.minimum(table, end) if packed else table, out.device))
     return out, counts
+
+
+def expand(index: np.ndarray, table: np.ndarray, device: torch.device, on_device: bool | None = None) -> Tensor:
+    """`table[index]`: a row's int32 deaths from the store's compact pair. On an accelerator (`on_device`, the
+    default off the CPU) the round index crosses the bus (1-2 bytes a key, not 4) and the device gathers, so the
+    host only hands over the stored arrays; on the CPU numpy gathers (several times torch's CPU indexing)."""
+    if not (device.type != "cpu" if on_device is None else on_device):
+        return torch.from_numpy(table[index])
+    return torch.from_numpy(table).to(device)[torch.from_numpy(index).to(device).to(torch.int32)]
