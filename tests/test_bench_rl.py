@@ -107,22 +107,25 @@ def test_step_rows_carry_the_updates_diagnostics():
 
 def test_ratios_are_full_over_compressed_rollout_seconds():
     r = ratios(_report())
-    assert {k: v for k, v in r.items() if not k.endswith("_ci")} == {"dense_rollout_speedup_vs_full": 2.0,
-                                                                      "replay_rollout_speedup_vs_full": 2.5}
+    assert {k: v for k, v in r.items() if k.endswith("_full")} == {"dense_rollout_speedup_vs_full": 2.0,
+                                                                    "replay_rollout_speedup_vs_full": 2.5}
     assert r["dense_rollout_speedup_vs_full_ci"] == [2.0, 2.0]      # every step alike: no spread
+    assert r["replay_rollout_speedup_vs_full_per_seed"] == {0: 2.5}   # the seeds both arms ran
 
 
 def test_the_speedup_interval_spans_the_seeds_spread():
-    """Seeds are the replicate: two seeds of one arm at 10 and 20 s a step against a full arm steady at 30 s give
-    an interval from 30/20 to 30/10 that holds the point estimate 2.0; a one-seed arm still gets one."""
+    """Seeds are the replicate, paired across arms: seeds at 10 and 20 s a step against a full arm steady at 30 s
+    give an interval from 30/20 to 30/10 that holds the point estimate 2.0; a one-seed arm still gets one."""
     from kvtier.benchmarks.rl_table import speedup_ci
 
     def arm(*per_seed):
         return {"seeds": [{"seed": i, "steps": [{"step": j, "rollout_seconds": x} for j, x in enumerate(xs)]}
                           for i, xs in enumerate(per_seed)]}
 
-    lo, hi = speedup_ci(arm([30.0, 30.0]), arm([10.0, 10.0], [20.0, 20.0]))
-    assert 1.5 <= lo < 2.0 < hi <= 3.0
+    lo, hi = speedup_ci(arm([30.0, 30.0], [30.0, 30.0]), arm([10.0, 10.0], [20.0, 20.0]))
+    assert lo == 1.5 and hi == 3.0
+    # paired: a seed slow in both arms (a slower machine hour) moves neither end, unlike arms resampled apart
+    assert speedup_ci(arm([30.0, 30.0], [60.0, 60.0]), arm([15.0, 15.0], [30.0, 30.0])) == [2.0, 2.0]
     assert speedup_ci(arm([30.0]), arm([15.0, float("nan")])) == [2.0, 2.0]   # a NaN step is left out
 
 

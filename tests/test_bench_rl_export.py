@@ -53,3 +53,7 @@ def test_export_writes_a_servable_model_of_the_best_runs_checkpoint(tmp_path):
     assert Path(engine.model) == out.resolve() and engine.model_id == "kvtier-rl-replay-seed1"
     with pytest.raises(ValueError, match="seed 5"):
         export_run(work, "replay", tmp_path / "x", seed=5)
+    keep(work / "replay" / "seed2.json", {"arm": "replay", "steps": 20, "model": str(START), "lr": 1.0},
+         {"seed": 2, "heldout": _end(0.9, 1.0)})                # another series' run in the same workdir
+    with pytest.raises(ValueError, match="different lr"):
+        export_run(work, "replay", tmp_path / "y")

@@ -234,3 +234,25 @@ def test_real_engine_runs_v1_runner_with_kvtier_attached(tiny_model_dir, monkeyp
     assert len(kvtier_records(caplog)) == 1
     assert llm.llm_engine.vllm_config.use_v2_model_runner is False
     print(f"engine start {elapsed:.1f}s")
+
+
+def test_a_round_dropped_by_a_preemption_gives_its_number_to_the_next():
+    """vLLM may preempt a request in the step its round was planned: that round never runs, so the next round of
+    the request takes its number (the keyed draw's round index = rounds applied, what a resumed segment's
+    `rounds_before` records; a skipped number would make the learner re-derive other victims)."""
+    from types import SimpleNamespace
+
+    from kvtier.engine.config import EvictionSpec
+    from kvtier.engine.payload import CompactionOp
+    from kvtier.engine.scheduler_side import RequestEviction, SchedulerEviction
+
+    side = SchedulerEviction(cfg=None, block_size=16, pool_blocks=64)
+    spec = EvictionSpec(policy="random", budget=32, buffer=8)
+    side.states["r"] = RequestEviction(spec=spec, prompt_len=8, max_blocks=4, rounds=3, compacted=True)
+    side.pending["r"] = CompactionOp(req_id="r", old_len=40, new_len=32, keep_blocks=2, prompt_len=8, spec=spec,
+                                     round=3, query_position=60)
+    side.on_preempt(SimpleNamespace(request_id="r"))
+    assert side.states["r"].rounds == 2 and "r" not in side.pending and "r" in side.preempted
+    side.states["q"] = RequestEviction(spec=spec, prompt_len=8, max_blocks=4, rounds=3, compacted=True)
+    side.on_preempt(SimpleNamespace(request_id="q"))           # no round pending: nothing to give back
+    assert side.states["q"].rounds == 3

@@ -55,6 +55,14 @@ def test_sample_counters_concatenate_every_calls_segments():
     old = SampleCounters()                              # a server without the field: no key, as before
     old.add(extra)
     assert "kvtier_segments" not in old.totals()
+    # a later call's prompt must extend the context so far (prompt + generated, then a tool reply): one that does
+    # not (the history re-tokenized) leaves the sample without a record, dense, not replayed on wrong segments
+    good, bad = SampleCounters(), SampleCounters()
+    for c, second in ((good, [5, 6, 7, 8, 9, 3]), (bad, [5, 6, 70, 8, 9, 3])):
+        c.add({**extra, "kvtier_segments": segments_to_json([a])}, prompt_ids=[5, 6], token_ids=[7, 8])
+        c.add({**extra, "kvtier_segments": segments_to_json([b])}, prompt_ids=second, token_ids=[4])
+    assert json.loads(good.totals()["kvtier_segments"]) == [asdict(a), asdict(b)]
+    assert bad.totals()["kvtier_segments"] is None
 
 
 def test_rebuilt_and_multi_call_samples_with_a_record_are_replayed_by_segment():

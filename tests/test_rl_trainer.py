@@ -175,7 +175,8 @@ def test_replay_learner_agrees_with_the_rollout_on_the_graded_task(smoke_replay)
         assert s["rollout_replayable"] == {"replayed": 8, "full": 0, "rebuilt": 0, "multi_call": 0, "policy": 0,
                                            "no_record": 0}, s["rollout_replayable"]
         assert s["learner_replay_share"] == {"replayed": 1.0, "full": 0.0, "rebuilt": 0.0, "multi_call": 0.0,
-                                             "policy": 0.0, "no_record": 0.0}, s["learner_replay_share"]
+                                             "policy": 0.0, "no_record": 0.0, "replayed_by_segment": 0.0}, \
+            s["learner_replay_share"]
         tails = s["learner_vs_rollout"]
         assert set(tails) == {"kl", "max_abs_log_ratio", "token_ratio_min", "token_ratio_p01", "token_ratio_p05",
                               "share_below_0_86", "seq_k3_p50", "seq_k3_p90", "seq_k3_max"}, tails

@@ -52,6 +52,11 @@ def export_run(workdir: Path, arm: str, out: Path, seed: int | None = None) -> d
     from .rl import hf_checkpoint
 
     runs = kept_runs(Path(workdir), arm)
+    keys = [r["key"] for r in runs.values()]
+    differing = sorted({k for key in keys for k in key if any(other.get(k) != key[k] for other in keys)})
+    if seed is None and differing:
+        raise ValueError(f"the kept runs of {arm} in {workdir} ran with different {', '.join(differing)}: the best "
+                         "of them is no series' best; pass --seed")
     seed = best_seed(runs) if seed is None else seed
     if seed not in runs:
         raise ValueError(f"no finished run of {arm} seed {seed} in {workdir} (kept: {sorted(runs)})")

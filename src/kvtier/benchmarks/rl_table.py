@@ -34,28 +34,48 @@ def ratios(report: dict) -> dict:
         if name != "full" and full and mine:
             out[f"{name}_rollout_speedup_vs_full"] = round(full / mine, 3)
             out[f"{name}_rollout_speedup_vs_full_ci"] = speedup_ci(arms["full"], arm)
+            out[f"{name}_rollout_speedup_vs_full_per_seed"] = seed_speedups(arms["full"], arm)
     return out
 
 
-def _rollout_seconds(arm: dict) -> list[list[float]]:
-    return [[s["rollout_seconds"] for s in r.get("steps", []) if s.get("rollout_seconds") is not None
-             and math.isfinite(s["rollout_seconds"])] for r in arm_runs(arm)]
+def _rollout_seconds(arm: dict) -> dict[int, list[float]]:
+    """{seed: its finite rollout seconds per step}."""
+    return {r.get("seed", i): [s["rollout_seconds"] for s in r.get("steps", []) if s.get("rollout_seconds") is not None
+                               and math.isfinite(s["rollout_seconds"])] for i, r in enumerate(arm_runs(arm))}
 
 
 def speedup_ci(full: dict, arm: dict, draws: int = 2000, seed: int = 0) -> list[float]:
-    """95% percentile interval of full's mean rollout seconds per step over `arm`'s: seeds resampled, then steps
-    within each drawn seed (a seed's steps share its prompts and machine hour), each arm on its own."""
+    """95% percentile interval of full's mean rollout seconds per step over `arm`'s. The seeds both arms ran are
+    resampled jointly (a seed is a pair: the same prompts in both arms), then steps within each drawn seed and arm
+    (a hierarchical bootstrap; with 3 seeds the seed level alone has 10 distinct draws). Without a common seed,
+    each arm's seeds are resampled on their own."""
     import random
 
     rng = random.Random(seed)
-    a, b = [r for r in _rollout_seconds(full) if r], [r for r in _rollout_seconds(arm) if r]
+    a, b = _rollout_seconds(full), _rollout_seconds(arm)
+    a, b = {s: x for s, x in a.items() if x}, {s: x for s, x in b.items() if x}
+    common = sorted(set(a) & set(b))
 
-    def resampled_mean(runs: list[list[float]]) -> float:
-        xs = [x for run in (rng.choice(runs) for _ in runs) for x in (rng.choice(run) for _ in run)]
+    def mean_of(runs: dict[int, list[float]], seeds: list[int]) -> float:
+        xs = [x for s in seeds for x in (rng.choice(runs[s]) for _ in runs[s])]
         return sum(xs) / len(xs)
 
-    stats = sorted(resampled_mean(a) / resampled_mean(b) for _ in range(draws))
+    stats = []
+    for _ in range(draws):
+        if common:
+            seeds = [rng.choice(common) for _ in common]
+            stats.append(mean_of(a, seeds) / mean_of(b, seeds))
+        else:
+            stats.append(mean_of(a, [rng.choice(list(a)) for _ in a]) / mean_of(b, [rng.choice(list(b)) for _ in b]))
+    stats.sort()
     return [round(stats[int(0.025 * draws)], 3), round(stats[int(0.975 * draws) - 1], 3)]
+
+
+def seed_speedups(full: dict, arm: dict) -> dict[int, float]:
+    """Full's mean rollout seconds per step over `arm`'s, per seed both arms ran."""
+    a, b = _rollout_seconds(full), _rollout_seconds(arm)
+    return {s: round((sum(a[s]) / len(a[s])) / (sum(b[s]) / len(b[s])), 3) for s in sorted(set(a) & set(b))
+            if a[s] and b[s]}
 
 
 def _f(x, digits: int = 2) -> str:
@@ -89,7 +109,7 @@ def _window(runs: list[dict], first: bool, width: int = 3) -> float | None:
 def arm_table(report: dict) -> str:
     """One row per arm, pooled over its seeds."""
     arms = report["arms"]
-    full_rollout = _mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
+    full_rollout = _finite_mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
     head = ("| arm | seeds | reward, first 3 → last 3 steps | held-out evicted: end [CI] | change vs start [CI] | "
             "held-out full: end [CI] | change vs start [CI] | rollout s / step (× full) | learner vs rollout KL "
             "(max) | samples rejected |")
@@ -97,7 +117,7 @@ def arm_table(report: dict) -> str:
     for name, arm in arms.items():
         runs = arm_runs(arm)
         end = arm["heldout"]["end"]
-        rollout = _mean(s["rollout_seconds"] for r in runs for s in r["steps"])
+        rollout = _finite_mean(s["rollout_seconds"] for r in runs for s in r["steps"])
         ci = report.get("ratios", {}).get(f"{name}_rollout_speedup_vs_full_ci")
         speed = (f" ({full_rollout / rollout:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "") + ")"
                  if full_rollout and rollout and name != "full" else "")

@@ -60,6 +60,28 @@ def _refuse_dunders_like_cdll() -> None:
 
 _refuse_dunders_like_cdll()
 
+
+def _cache_where_writable() -> None:
+    """numba caches beside this file, else in the user's cache dir, and fails at the first compile when neither
+    is writable (a read-only image with a read-only HOME): then cache in the temp dir, said in one log line."""
+    import logging
+    import os
+    import tempfile
+    from pathlib import Path
+
+    if os.environ.get("NUMBA_CACHE_DIR") or os.access(Path(__file__).parent, os.W_OK):
+        return
+    home_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    if not os.access(home_cache if home_cache.exists() else Path.home(), os.W_OK):
+        os.environ["NUMBA_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"kvtier-numba-{os.getuid()}")
+        numba.core.config.reload_config()
+        logging.getLogger("kvtier.deathtime").warning(
+            "numba cannot cache beside kvtier nor in %s (read-only): caching its kernels in %s", home_cache,
+            os.environ["NUMBA_CACHE_DIR"])
+
+
+_cache_where_writable()
+
 _GOLDEN = 0x9E3779B9
 _U32 = np.uint32
 _ONE, _LOW, _S6, _S32 = np.uint64(1), np.uint64(63), np.uint64(6), np.uint64(32)

@@ -138,7 +138,11 @@ class SchedulerEviction:
         # gone with the blocks, and a copy still pending would write into blocks now owned by others.
         st.offset = 0
         st.compacted = False
-        self.pending.pop(request.request_id, None)
+        if self.pending.pop(request.request_id, None) is not None:
+            # the round planned this step never runs: the next one takes its number, so the keyed draw's round
+            # index stays the count of applied rounds (the worker's events, what a resumed segment's
+            # `rounds_before` records and the learner re-derives from)
+            st.rounds -= 1
         # The reset (with the row its recompute samples from) is sent when the request resumes: under
         # async scheduling an in-flight token may still be appended after the preemption.
         self.preempted.add(request.request_id)

@@ -86,12 +86,13 @@ def segments_record(spec, prompt_len: int, generated: int, counters: dict | None
     """`kvtier_segments` of one generate call: its segments (`kvtier.deathtime.segments.call_segments`: one
     from the prompt, one after each recompute the engine reported) as JSON, so the learner can replay a sample
     made of several calls or rebuilt caches segment by segment; None for full attention and elastic budgets
-    (their rounds follow a budget that changes mid-request)."""
-    if spec is None or not spec.compressed or spec.elastic:
+    (their rounds follow a budget that changes mid-request) and when the engine's counters could not be read
+    (its recomputes unknown: the sample goes dense, counted, rather than replayed under a one-cache record)."""
+    if spec is None or not spec.compressed or spec.elastic or counters is None:
         return None
     from kvtier.deathtime.segments import call_segments, segments_to_json
 
-    return segments_to_json(call_segments(prompt_len, generated, (counters or {}).get("resets") or [],
+    return segments_to_json(call_segments(prompt_len, generated, counters.get("resets") or [],
                                           seed=spec.seed, budget=spec.budget, buffer=spec.buffer,
                                           policy=spec.policy_name, policy_params=policy_params(spec)))
 

@@ -73,19 +73,29 @@ def _merge(a, b, op):
 class SampleCounters:
     """The kvtier fields of one sample, over every generate call recorded so far."""
 
-    __slots__ = ("calls", "fields", "segments")
+    __slots__ = ("calls", "fields", "segments", "context")
 
     def __init__(self) -> None:
         self.calls = 0
         self.fields: dict[str, Any] = {}
         self.segments: list[str | None] = []     # each call's `kvtier_segments` (None: it reported none)
+        self.context: list[int] | None = None    # the last call's prompt + generated tokens
 
-    def add(self, extra: dict | None) -> None:
-        """One server call's `extra_fields` (ignored unless a kvtier server ran it)."""
+    def add(self, extra: dict | None, prompt_ids=None, token_ids=None) -> None:
+        """One server call's `extra_fields` (ignored unless a kvtier server ran it). prompt_ids / token_ids: what
+        it was fed and generated; a call whose prompt does not extend the previous call's context (an agent loop
+        that re-tokenized the history) gets no segment record, so the sample goes dense instead of being
+        replayed on misaligned segments."""
         if not extra or "kvtier_budget" not in extra:
             return
         self.calls += 1
-        self.segments.append(extra.get(SEGMENTS_FIELD))
+        record = extra.get(SEGMENTS_FIELD)
+        if prompt_ids is not None:
+            prompt = list(prompt_ids)
+            if self.context is not None and prompt[: len(self.context)] != self.context:
+                record = None
+            self.context = prompt + list(token_ids or [])
+        self.segments.append(record)
         if self.calls == 1:
             self.fields = {k: extra.get(k) for k in FIRST_FIELDS + SUM_FIELDS + MAX_FIELDS}
             return
@@ -144,7 +154,8 @@ class CountingClientMixin(LLMServerClient):
         output = await super().generate(request_id, *args, sampling_params=sampling_params, **kwargs)
         counters = _CURRENT.get()
         if counters is not None and output is not None:
-            counters.add(getattr(output, "extra_fields", None))
+            counters.add(getattr(output, "extra_fields", None), kwargs.get("prompt_ids"),
+                         getattr(output, "token_ids", None))
         return output
 
 
