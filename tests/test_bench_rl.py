@@ -371,6 +371,9 @@ def test_tables_read_the_report():
     report["ratios"] = ratios(report)                          # as `bench rl` writes it: with the interval
     assert "12.0 (2.50× [2.50, 2.50])" in arm_table(report)
     assert "30.0 |" in rows["full"] and "×" not in rows["full"]
+    from kvtier.benchmarks.rl_table import exact_share
+    share = [{"steps": [{"rollout_replayable": {"replayed": 9, "full": 4, "rebuilt": 3}}]}]
+    assert exact_share(share) == 13 / 16 and exact_share([{"steps": [{}]}]) is None
     assert len(seed_table(report).splitlines()) == 2 + 4      # header + one row per run (1 + 1 + 2 seeds)
 
 

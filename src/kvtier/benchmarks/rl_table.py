@@ -106,13 +106,21 @@ def _window(runs: list[dict], first: bool, width: int = 3) -> float | None:
     return _mean(per_run)
 
 
+def exact_share(runs: list[dict]) -> float | None:
+    """The share of an arm's samples the learner scored as they were sampled (`replayed`, by segment included, or
+    `full`), from the rollouts' counts (`rollout/kvtier/replayable/*`); None where no step recorded them."""
+    counts = [s.get("rollout_replayable") or {} for r in runs for s in r["steps"]]
+    total = sum(sum(c.values()) for c in counts)
+    return sum(c.get("replayed", 0) + c.get("full", 0) for c in counts) / total if total else None
+
+
 def arm_table(report: dict) -> str:
     """One row per arm, pooled over its seeds."""
     arms = report["arms"]
     full_rollout = _finite_mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
     head = ("| arm | seeds | reward, first 3 → last 3 steps | held-out evicted: end [CI] | change vs start [CI] | "
             "held-out full: end [CI] | change vs start [CI] | rollout s / step (× full) | learner vs rollout KL "
-            "(max) | samples rejected |")
+            "(max) | samples rejected | scored exactly (replayed or full) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, arm in arms.items():
         runs = arm_runs(arm)
@@ -123,10 +131,11 @@ def arm_table(report: dict) -> str:
                  if full_rollout and rollout and name != "full" else "")
         kl = max((s["kl"] for r in runs for s in r["steps"] if s.get("kl") is not None), default=None)
         rejected = _mean(s.get("rejected_share") for r in runs for s in r["steps"])
+        exact = exact_share(runs)
         lines.append(f"| {name} | {len(runs)} | {_f(_window(runs, True))} → {_f(_window(runs, False))} | "
                      f"{_acc(end.get('evicted'))} | {_change(end.get('evicted'))} | {_acc(end.get('full'))} | "
                      f"{_change(end.get('full'))} | {_f(rollout, 1)}{speed} | "
-                     f"{'–' if kl is None else f'{kl:.1e}'} | {_f(rejected)} |")
+                     f"{'–' if kl is None else f'{kl:.1e}'} | {_f(rejected)} | {_f(exact)} |")
     return "\n".join(lines)
 
 
