@@ -14,6 +14,8 @@ Where records come from (`record.py`, `simulate.py`):
   ({query_position, kept: [layers][kv_heads][K]});
 * `simulate_deaths`: the schedule (`EvictionSchedule`) and a policy that reads nothing (``random``: the
   engine's keyed draw, so the same seed gives the engine's keep-sets, no engine needed).
+  A policy that reads only the first layer's keys (``random_line_reserve``) is simulated from them
+  (``first_keys=``, `first_layer_keys`: a function of token and position, not of eviction).
 
 How a model runs under them (`attention.py`): `register()` adds ``ATTN_NAME`` to transformers'
 ``AttentionInterface`` (and its mask interface), so any Hugging Face causal LM loaded with
@@ -31,7 +33,8 @@ Depends on kvtier.policies only (below the engine, the reference, training and t
 
 from .attention import ATTN_NAME, register
 from .record import NEVER, RebuiltCacheError, deaths_from_rounds, place_in_batch, record_bytes, visibility
-from .simulate import round_positions, simulate_deaths
+from .first_layer import first_layer_keys
+from .simulate import reads_first_layer_keys, round_positions, simulate_deaths
 
-__all__ = ["ATTN_NAME", "NEVER", "RebuiltCacheError", "deaths_from_rounds", "place_in_batch", "record_bytes",
-           "register", "round_positions", "simulate_deaths", "visibility"]
+__all__ = ["ATTN_NAME", "NEVER", "RebuiltCacheError", "deaths_from_rounds", "first_layer_keys", "place_in_batch",
+           "reads_first_layer_keys", "record_bytes", "register", "round_positions", "simulate_deaths", "visibility"]

@@ -46,11 +46,12 @@ def register(model_app: typer.Typer) -> None:
         warmup: int = typer.Option(d.warmup),
         answer_weight: float = typer.Option(d.answer_weight, help="Loss weight of the boxed answer's tokens."),
         evict: str = typer.Option(d.evict, help="Train under simulated eviction, POLICY:K[,K...][:r] (e.g. "
-                                  "random:128,256,512:32; src/kvtier/models/train_eviction.py). '': full attention."),
+                                  "random:128,256,512:32, random_line_reserve:256,512,1024:32; "
+                                  "src/kvtier/models/train_eviction.py). '': full attention."),
         full_share: float = typer.Option(d.full_share, help="With --evict: share of samples under full attention."),
         device: str = typer.Option(d.device, help="cpu or cuda[:i] (torch only; a checkpoint resumes on either)."),
         workers: int = typer.Option(d.workers, help="With --evict: processes simulating evictions ahead of the steps "
-                                    "(keeps a GPU fed; 0: inline)."),
+                                    "(keeps a GPU fed; 0: inline, which a policy that reads keys needs)."),
         attention: str = typer.Option(d.attention, help="With --evict: death-time attention, auto | mask (SDPA with a "
                                       "boolean mask) | flex (FlexAttention; auto's choice on CUDA)."),
     ) -> None:

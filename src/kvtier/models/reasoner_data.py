@@ -28,6 +28,18 @@ def encode_problem(tok, problem) -> tuple[list[int], list[int]]:
     return prompt, trace
 
 
+def key_line_span(tok, problem) -> tuple[int, int] | None:
+    """[start, end) of the key line's tokens (``k=NN`` and its newline) in `encode_problem`'s sequence; None
+    when the trace has none (n <= key_at). The probe locates it the same way (evaluation/probes/key_line.py)."""
+    trace = problem.trace
+    k = trace.find("\nk=") + 1
+    if k == 0:
+        return None
+    at = len(tok(problem.prompt)["input_ids"])
+    count = lambda chars: len(tok(trace[:chars], add_special_tokens=False)["input_ids"])  # noqa: E731
+    return at + count(k), at + count(trace.index("\n", k) + 1)
+
+
 def make_batch(tok, problems, pad_id: int):
     """(input_ids [B, T], labels [B, T]) with labels -100 on the prompt and padding."""
     import torch

@@ -37,7 +37,7 @@ from .reasoner_data import held_out_keys, longest_sequence, make_batch, short_pr
 from .reasoner_save import save_model
 from .reasoner_step import SPLIT_FROM, backward_group, splits_rows
 from .train_config import ATTENTION, RUN_ONLY, TrainConfig, lr_at, resolve_dtype, saved_config
-from .train_eviction import EvictMix, deaths_for, unanswerable
+from .train_eviction import EvictMix, answer_untrained, deaths_for
 
 
 def teacher_forced_accuracy(model, tok, problems, mix: EvictMix | None = None, budget: int | None = None) -> dict:
@@ -46,7 +46,7 @@ def teacher_forced_accuracy(model, tok, problems, mix: EvictMix | None = None, b
     import torch
 
     ids, labels = make_batch(tok, problems, tok.pad_token_id)
-    extra = deaths_for(mix, [(budget, i) for i in range(len(problems))], labels, model) if budget else {}
+    extra = deaths_for(mix, [(budget, i) for i in range(len(problems))], labels, model, ids) if budget else {}
     dev = model.device
     with torch.no_grad():
         pred = model(input_ids=ids.to(dev), **_on(extra, dev)).logits[:, :-1].argmax(-1).cpu()
@@ -223,12 +223,14 @@ def train(cfg: TrainConfig, out: Path = REASONER_DIR, log=print) -> dict:
         step_t0 = time.time()
         data = step_data(step)
         groups, batches, plans = ([d[i] for d in data] for i in range(3))
-        weights = [token_weights(labels, cfg.answer_weight, unanswerable(g, plan))
-                   for (_, labels), g, plan in zip(batches, groups, plans)]
+        # every group's deaths before any weight: a needle's answer weight depends on them (answer_untrained)
+        extras = [ahead.get(step, g, cfg.steps) if ahead is not None else deaths_for(mix, plan, labels, model, ids)
+                  for g, ((ids, labels), plan) in enumerate(zip(batches, plans))]
+        weights = [token_weights(labels, cfg.answer_weight, answer_untrained(tok, probs, plan, labels, extra))
+                   for (_, labels), probs, plan, extra in zip(batches, groups, plans, extras)]
         total = sum(float(w.sum()) for w in weights)
         loss_value = 0.0
-        for g, ((ids, labels), w, plan) in enumerate(zip(batches, weights, plans)):   # one weighted mean over every group's trace tokens
-            extra = ahead.get(step, g, cfg.steps) if ahead is not None else deaths_for(mix, plan, labels, model)
+        for (ids, labels), w, plan, extra in zip(batches, weights, plans, extras):   # one weighted mean over every group's trace tokens
             ids, labels, w, extra = ids.to(cfg.device), labels.to(cfg.device), w.to(cfg.device), _on(extra, cfg.device)
             loss_value += backward_group(model, ids, labels, w, extra, plan, total, bf16=dtype == "bfloat16",
                                          hf_loss=cfg.answer_weight == 1.0 and mix is None,   # how phases 1-2 ran

@@ -61,12 +61,15 @@ class RandomLineReservePolicy(SelectionPolicy):
     once). The vLLM worker still gathers every candidate's keys for policies that need KEYS.
 
     Assumes the engines' schedule: a round's candidates are older than its buffer (positions <= qp − r).
-    Replay: the keep-sets depend on the model's keys, so `simulate_deaths` refuses it (as random_reserve).
+    Replay: the keep-sets depend on the model's first-layer keys only (`first_layer_keys_only`), which do
+    not depend on eviction: `simulate_deaths(..., first_keys=...)` replays them from those keys
+    (kvtier.deathtime.first_layer), as the reference engine chooses them.
     """
 
     name = "random_line_reserve"
     needs = frozenset({KEYS, BUFFER_KEYS})
     order_free = True           # positions, not slot order, identify the lines; the fill is a uniform draw
+    first_layer_keys_only = True   # with a state, no other layer's keys are read (deathtime.simulate replays it)
     default_protect_prompt = True
 
     reserve: float = 0.1
