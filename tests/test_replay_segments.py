@@ -165,3 +165,21 @@ def test_a_device_expands_the_compact_deaths_as_the_host_does():
         host = expand(index, table, torch.device("cpu"))
         assert torch.equal(expand(index, table, torch.device("cpu"), on_device=True), host)
         assert host.dtype == torch.int32 and int((host == NEVER).sum()) == int((index == 0).sum())
+
+
+def test_text_batches_with_verls_empty_multimodal_field_expand():
+    """verl puts `multi_modal_inputs` (an empty dict per sample) and a False `distillation_use_topk` into text-only
+    micro-batches: they expand; real multimodal inputs are refused by name."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    from kvtier.rollout.replay_segments import ExpansionError, Row, expand_micro_batch
+
+    ids = torch.nested.nested_tensor([torch.arange(6), torch.arange(4)], layout=torch.jagged)
+    mb = TensorDict({"input_ids": ids, "position_ids": ids.clone()}, batch_size=[2])
+    mb["multi_modal_inputs"] = NonTensorStack(NonTensorData({}), NonTensorData({}))
+    mb["distillation_use_topk"] = NonTensorData(False)
+    out = expand_micro_batch(mb, [Row(0, 3), Row(0, 6), Row(1, 4)])
+    assert [t.numel() for t in out["input_ids"].unbind()] == [3, 6, 4]
+    mb["multi_modal_inputs"] = NonTensorStack(NonTensorData({"pixel_values": torch.ones(1)}), NonTensorData({}))
+    with pytest.raises(ExpansionError, match="multi_modal_inputs"):
+        expand_micro_batch(mb, [Row(0, 6), Row(1, 4)])

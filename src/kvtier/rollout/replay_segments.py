@@ -86,6 +86,24 @@ class ExpansionError(ValueError):
     """A micro-batch the segment expansion has not been built for; the message says what."""
 
 
+def _carries(value) -> bool:
+    """Whether a micro-batch field holds anything: verl puts `multi_modal_inputs` (one empty dict per sample) into
+    text-only batches too, and `distillation_use_topk` is a False flag when distillation is off."""
+    if value is None or value is False:
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.numel() > 0
+    if isinstance(value, dict):
+        return bool(value)
+    if isinstance(value, (list, tuple)):
+        return any(_carries(v) for v in value)
+    if hasattr(value, "tolist"):                     # tensordict's NonTensorStack
+        return _carries(value.tolist())
+    if hasattr(value, "data"):                       # NonTensorData
+        return _carries(value.data)
+    return True
+
+
 def expand_micro_batch(micro_batch, rows: list[Row]):
     """verl's micro-batch (a TensorDict of jagged tensors) with `rows` in place of its samples: what verl's
     `prepare_model_inputs` and `prepare_model_outputs` read (input_ids, position_ids, temperature, and every
@@ -93,8 +111,7 @@ def expand_micro_batch(micro_batch, rows: list[Row]):
     from tensordict import NonTensorData, TensorDict
 
     for key in ("multi_modal_inputs", "teacher_logprobs", "teacher_ids", "distillation_use_topk"):
-        value = micro_batch.get(key, None)
-        if value is not None and getattr(value, "data", value) is not False:
+        if _carries(micro_batch.get(key, None)):
             raise ExpansionError(f"kvtier learner replay by segment: micro-batches with {key} are not supported")
     index = torch.tensor([r.sample for r in rows], dtype=torch.long)
 
