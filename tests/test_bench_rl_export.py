@@ -38,7 +38,9 @@ def test_export_writes_a_servable_model_of_the_best_runs_checkpoint(tmp_path):
     for seed, evicted in ((0, 0.3), (1, 0.6)):
         hf = work / "replay" / f"seed{seed}" / "checkpoints" / "global_step_20" / "actor" / "huggingface"
         shutil.copytree(START, hf, ignore=shutil.ignore_patterns("*.json", "*.md"))
-        shutil.copy(START / "config.json", hf / "config.json")          # verl writes no tokenizer files: copied
+        config = json.loads((START / "config.json").read_text())      # verl writes no tokenizer files: copied;
+        config["attn_implementation"] = "kvtier_deathtime"             # the learner's attention, unknown here
+        (hf / "config.json").write_text(json.dumps(config))
         keep(work / "replay" / f"seed{seed}.json", {"arm": "replay", "steps": 20, "model": str(START)},
              {"seed": seed, "heldout": _end(evicted, 1.0), "train_seconds": 10.0})
     out = tmp_path / "export"

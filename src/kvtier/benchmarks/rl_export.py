@@ -62,7 +62,9 @@ def export_run(workdir: Path, arm: str, out: Path, seed: int | None = None) -> d
         raise ValueError(f"no finished run of {arm} seed {seed} in {workdir} (kept: {sorted(runs)})")
     key, run = runs[seed]["key"], runs[seed]["run"]
     hf = hf_checkpoint(Path(workdir) / arm / f"seed{seed}", key["steps"], key["model"])
-    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+    # the learner's checkpoint names kvtier's replay attention (registered only inside the trainer): the weights
+    # are what is exported, and the served config is the reasoner's own
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32, attn_implementation="sdpa")
     sha = save_model(model, AutoTokenizer.from_pretrained(str(hf)), Path(out))
     name = f"kvtier-rl-{arm}-seed{seed}"
     cfg = yaml.safe_load(SERVE_CONFIG.read_text())
