@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .base import BUFFER_KEYS, KEYS, EvictionContext, PolicyError, SelectionPolicy
 from .random import sample_free
+from .random_reserve import reserve_fraction
 from .registry import register
 
 
@@ -77,13 +78,7 @@ class RandomLineReservePolicy(SelectionPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        try:
-            rho = float(self.reserve)
-        except (TypeError, ValueError):
-            raise PolicyError(f"reserve must be a number in [0, 1), got {self.reserve!r}") from None
-        if not 0.0 <= rho < 1.0:   # also refuses NaN
-            raise PolicyError(f"reserve must be in [0, 1), got {self.reserve!r}")
-        self.reserve = rho
+        self.reserve = reserve_fraction(self.reserve)
         if isinstance(self.span, bool) or not isinstance(self.span, (int, float)) or self.span != int(self.span) \
                 or self.span < 0:
             raise PolicyError(f"span must be an integer >= 0, got {self.span!r}")

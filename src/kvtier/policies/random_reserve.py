@@ -18,6 +18,18 @@ from .base import BUFFER_KEYS, KEYS, EvictionContext, PolicyError, SelectionPoli
 from .registry import register
 
 
+def reserve_fraction(value, why: str = "") -> float:
+    """ρ, the share of the unprotected seats a reserve policy fills by score, as a float in [0, 1), else a
+    PolicyError naming the field (`why`: what 1 would mean for that policy)."""
+    try:
+        rho = float(value)
+    except (TypeError, ValueError):
+        raise PolicyError(f"reserve must be a number in [0, 1), got {value!r}") from None
+    if not 0.0 <= rho < 1.0:   # also refuses NaN
+        raise PolicyError(f"reserve must be in [0, 1){why}, got {value!r}")
+    return rho
+
+
 @register
 @dataclass(kw_only=True, eq=False, repr=False)
 class RandomReservePolicy(SelectionPolicy):
@@ -71,14 +83,7 @@ class RandomReservePolicy(SelectionPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        try:
-            rho = float(self.reserve)
-        except (TypeError, ValueError):
-            raise PolicyError(f"reserve must be a number in [0, 1), got {self.reserve!r}") from None
-        if not 0.0 <= rho < 1.0:   # also refuses NaN
-            raise PolicyError(f"reserve must be in [0, 1) (1 would be a scored policy without the random draw), "
-                              f"got {self.reserve!r}")
-        self.reserve = rho
+        self.reserve = reserve_fraction(self.reserve, " (1 would be a scored policy without the random draw)")
 
     def reserve_size(self, budget: int, protected: int) -> int:
         """R = ⌊ρ·(K − p)⌋: the unprotected seats filled by score."""
