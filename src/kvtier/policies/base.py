@@ -229,3 +229,24 @@ class SelectionPolicy(EvictionPolicy):
         if not (mask.sum(dim=1) == ctx.budget).all() or (self.protected_mask(ctx) & ~mask).any():
             raise PolicyError(f"policy {self.name!r} built a keep-set that is not K={ctx.budget} per head with the protected ones")
         return mask.nonzero()[:, 1].view(H, ctx.budget)
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class VictimDrawPolicy(SelectionPolicy):
+    """For selection policies that draw their victims directly (the reserve policies: a uniform draw among the
+    candidates neither protected nor reserved): implement `victims(ctx)` -> [H, S - K] ascending; the keep mask
+    (checked by `keep`) and `evict` (what hole filling consumes, straight from the draw) come from it."""
+
+    def victims(self, ctx: EvictionContext) -> Tensor:
+        raise NotImplementedError
+
+    def keep_mask(self, ctx: EvictionContext) -> Tensor:
+        keep = torch.ones(ctx.positions.shape, dtype=torch.bool, device=ctx.positions.device)
+        return keep.scatter_(1, self.victims(ctx), False)
+
+    def evict(self, ctx: EvictionContext) -> Tensor:
+        self._validate(ctx)
+        H, S = ctx.positions.shape
+        if S <= ctx.budget:
+            return torch.empty(H, 0, dtype=torch.long, device=ctx.positions.device)
+        return self.victims(ctx)

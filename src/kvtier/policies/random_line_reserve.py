@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import BUFFER_KEYS, KEYS, EvictionContext, PolicyError, SelectionPolicy
+from .base import BUFFER_KEYS, KEYS, EvictionContext, PolicyError, VictimDrawPolicy
 from .random import sample_free
 from .random_reserve import reserve_fraction
 from .registry import register
@@ -24,7 +24,7 @@ from .registry import register
 
 @register
 @dataclass(kw_only=True, eq=False, repr=False)
-class RandomLineReservePolicy(SelectionPolicy):
+class RandomLineReservePolicy(VictimDrawPolicy):
     """Per KV head: the protected positions (the prompt, as `random`), the reserved lines (the same
     positions in every layer and head), then a uniform draw from the request's generator over the rest.
 
@@ -97,19 +97,8 @@ class RandomLineReservePolicy(SelectionPolicy):
         return max(1, math.floor(self.reserve * room / self.width))
 
     # -- selection -----------------------------------------------------------------------------
-    def evict(self, ctx: EvictionContext) -> Tensor:
-        """[H, S − K] victims, ascending: S − K uniform among the candidates neither protected nor reserved."""
-        self._validate(ctx)
-        H, S = ctx.positions.shape
-        if S <= ctx.budget:
-            return torch.empty(H, 0, dtype=torch.long, device=ctx.positions.device)
-        return self.victims(ctx)
-
-    def keep_mask(self, ctx: EvictionContext) -> Tensor:
-        keep = torch.ones(ctx.positions.shape, dtype=torch.bool, device=ctx.positions.device)
-        return keep.scatter_(1, self.victims(ctx), False)
-
     def victims(self, ctx: EvictionContext) -> Tensor:
+        """[H, S − K] victims, ascending: S − K uniform among the candidates neither protected nor reserved."""
         H, S = ctx.positions.shape
         qp, r = self._round(ctx)
         prot = self.protected_len(ctx.prompt_len)

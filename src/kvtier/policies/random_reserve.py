@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import BUFFER_KEYS, KEYS, EvictionContext, PolicyError, SelectionPolicy
+from .base import BUFFER_KEYS, KEYS, EvictionContext, PolicyError, VictimDrawPolicy
 from .registry import register
 
 
@@ -32,7 +32,7 @@ def reserve_fraction(value, why: str = "") -> float:
 
 @register
 @dataclass(kw_only=True, eq=False, repr=False)
-class RandomReservePolicy(SelectionPolicy):
+class RandomReservePolicy(VictimDrawPolicy):
     """Per KV head: the protected positions (the prompt, as `random`), then the R = ⌊ρ·(K − p)⌋
     unprotected candidates with the highest score (p = `protected_len`, ρ = `reserve`), then K − p − R drawn
     uniformly (the request's generator) from the candidates neither took. ρ = 0 is `random`'s distribution.
@@ -107,17 +107,6 @@ class RandomReservePolicy(SelectionPolicy):
         u = torch.rand((H, S), generator=ctx.generator, device=ctx.positions.device).masked_fill_(taken, 2.0)
         return u.topk(S - ctx.budget, dim=1, largest=False).indices.sort(dim=1).values
 
-    def keep_mask(self, ctx: EvictionContext) -> Tensor:
-        keep = torch.ones(ctx.positions.shape, dtype=torch.bool, device=ctx.positions.device)
-        return keep.scatter_(1, self.victims(ctx), False)
-
-    def evict(self, ctx: EvictionContext) -> Tensor:
-        """What hole filling consumes, straight from the draw (keep() builds the mask and checks it)."""
-        self._validate(ctx)
-        H, S = ctx.positions.shape
-        if S <= ctx.budget:
-            return torch.empty(H, 0, dtype=torch.long, device=ctx.positions.device)
-        return self.victims(ctx)
 
 
 def key_redundancy(keys: Tensor, others: Tensor | None = None, eps: float = 1e-8) -> Tensor:
