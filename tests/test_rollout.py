@@ -623,10 +623,10 @@ def _call_recorder():
             sc._test_calls = []
             add = sc.SampleCounters.add
 
-            def recording_add(self, extra):
+            def recording_add(self, extra, *args, **kwargs):
                 if extra and "kvtier_budget" in extra:
                     sc._test_calls.append((self, {k: v for k, v in extra.items() if k.startswith("kvtier_")}))
-                return add(self, extra)
+                return add(self, extra, *args, **kwargs)
 
             sc.SampleCounters.add = recording_add
         sc._test_calls.clear()

@@ -66,6 +66,19 @@ def test_a_load_sweep_is_not_a_tiers_figure(tmp_path):
         assert newest_goodput("m", Listed(order))[0].name == "goodput-long-mixed-cpu-2026-12-06.json"
 
 
+def test_a_port_comparison_on_another_vllm_release_is_not_a_tiers_figure(tmp_path):
+    """A goodput run on a vLLM release other than the one `make setup` installs (0.32 beside 0.31) is the
+    port's comparison (docs/engine.md); the tier's figure stays the newest run on versions.DEFAULT."""
+    from kvtier.engine.versions import DEFAULT, NEWEST
+    from kvtier.service.tier_report import newest_goodput
+
+    assert NEWEST != DEFAULT
+    run = lambda vllm: {"arms": {"full": {}}, "settings": {"model_id": "m"}, "machine": {"vllm": vllm}}  # noqa: E731
+    (tmp_path / "goodput-long-local-cpu-2026-12-06.json").write_text(json.dumps(run(DEFAULT)))
+    (tmp_path / "goodput-long-local-vllm032-cpu-2026-12-07.json").write_text(json.dumps(run(NEWEST)))
+    assert newest_goodput("m", tmp_path)[0].name == "goodput-long-local-cpu-2026-12-06.json"
+
+
 def test_the_elastic_tier_and_auto_read_the_newest_load_sweep(tmp_path):
     """The banner's `across load` lines: per load, correct answers/s against the better of stock and the
     sweep's fixed-budget tiers, preemptions against stock's, accuracy at the lowest and highest load."""
