@@ -55,7 +55,7 @@ def test_catalog_has_the_metrics_issue_7_asks_for():
         "ray_kvtier_rollout_evictions_per_sample",
     }
     assert required <= set(catalog.BY_NAME)
-    assert catalog.get("ray_kvtier_eviction_events_total").labels == ("deployment", "policy")
+    assert catalog.get("ray_kvtier_eviction_events_total").labels == ("deployment", "policy", "budget")
     assert catalog.get("ray_kvtier_router_decisions_total").labels == ("tier", "reason")
     for name in ("ray_vllm_time_to_first_token_seconds", "ray_kvtier_eviction_round_seconds",
                  "ray_kvtier_router_ttft_seconds", "ray_kvtier_rollout_evictions_per_sample"):

@@ -49,7 +49,7 @@ def test_exporter_sends_deltas_under_catalog_names():
     exp.update(snapshot(5, 50, 2, 1, failures=1), {"free_blocks": 12, "total_blocks": 16}, [])
     events = by_name("ray_kvtier_eviction_events_total").ray_name
     assert [c[1] for c in fake.calls[events]] == [3, 2]
-    assert fake.calls[events][0][2] == {"deployment": "engine-cpu", "policy": "random"}
+    assert fake.calls[events][0][2] == {"deployment": "engine-cpu", "policy": "random", "budget": "other"}
     assert [c[1] for c in fake.calls[by_name("ray_kvtier_kv_blocks_freed_total").ray_name]] == [2]
     assert [c[1] for c in fake.calls[by_name("ray_kvtier_preemptions_compressed_total").ray_name]] == [1]
     assert [c[1] for c in fake.calls[by_name("ray_kvtier_policy_failures_total").ray_name]] == [1]
@@ -190,3 +190,34 @@ def test_learner_exporter_sends_the_steps_tail_and_scored_samples():
         ("set", 0.99, {"stat": "token_ratio_p01", "learner": "replay"}), ("set", 1e-6, {"stat": "kl", "learner": "replay"})]
     assert c[by_name("ray_kvtier_rl_samples_replayable_total").ray_name] == [("inc", 16.0, {"path": "replayed"})]
 
+
+
+def test_engine_counts_evictions_per_budget_and_the_exporter_labels_them():
+    """Tiers that share an engine and a policy (k512, k1024, elastic on one engine) are told apart by the
+    engine's own counters: one `budget` label per K (elastic requests as elastic:<floor>), bounded per policy."""
+    from kvtier.engine.stats import MAX_BUDGET_LABELS, EvictionStats, budget_label
+
+    stats = EvictionStats()
+    stats.record_round("a", "random", 10, budget_label(512))
+    stats.record_round("a", "random", 10, budget_label(512))
+    stats.record_round("b", "random", 7, budget_label(1024))
+    stats.record_round("c", "random", 5, budget_label(512, floor=512))
+    by_budget = stats.engine.by_policy["random"]["by_budget"]
+    assert by_budget == {"512": {"events": 2, "tokens_evicted": 20}, "1024": {"events": 1, "tokens_evicted": 7},
+                         "elastic:512": {"events": 1, "tokens_evicted": 5}}
+    assert stats.engine.by_policy["random"]["tokens_evicted"] == 32
+    fake = FakeMetrics()
+    exp = EngineMetricsExporter("engine-cpu", metrics_module=lambda: fake)
+    exp.update(stats.snapshot())
+    stats.record_round("a", "random", 10, budget_label(512))
+    exp.update(stats.snapshot())
+    tokens = fake.calls[by_name("ray_kvtier_tokens_evicted_total").ray_name]
+    per_label = {}
+    for _, value, tags in tokens:
+        per_label[tags["budget"]] = per_label.get(tags["budget"], 0) + value
+    assert per_label == {"512": 30, "1024": 7, "elastic:512": 5}
+    # a client sending a new K on every request adds at most MAX_BUDGET_LABELS series per policy
+    for k in range(100, 100 + 2 * MAX_BUDGET_LABELS):
+        stats.record_round("d", "random", 1, budget_label(k))
+    labels = stats.engine.by_policy["random"]["by_budget"]
+    assert len(labels) == MAX_BUDGET_LABELS + 1 and labels["other"]["events"] == 2 * MAX_BUDGET_LABELS - 13

@@ -173,6 +173,8 @@ def test_counters_agree_with_the_load(stack, load):
     assert ev["events"] > 0 and ev["blocks_freed"] > 0, ev
     wait_for("eviction events", lambda: prom.value("sum(ray_kvtier_eviction_events_total)") == ev["events"])
     assert prom.value('sum(ray_kvtier_tokens_evicted_total{policy="random"})') == ev["tokens_evicted"]
+    # the engine's own per-budget split: only the k100 tier (K = 100) evicts here
+    assert prom.value('sum(ray_kvtier_tokens_evicted_total{policy="random", budget="100"})') == ev["tokens_evicted"]
     assert prom.value("sum(ray_kvtier_kv_blocks_freed_total)") == ev["blocks_freed"]
     assert (prom.value("sum(ray_kvtier_preemptions_compressed_total)") or 0) == ev["preemptions_compressed"]
     wait_for("idle pool", lambda: prom.value("sum(ray_kvtier_kv_blocks_used)") == 0

@@ -9,6 +9,15 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 
 ROUND_MS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000)
+# Distinct budget labels counted per policy before the rest are counted as "other": a request may carry any
+# budget (vllm_xargs), and every label is a time series in Prometheus.
+MAX_BUDGET_LABELS = 16
+
+
+def budget_label(budget: int, floor: int | None = None) -> str:
+    """The `budget` label of an eviction round: "512" for a fixed K = 512, "elastic:512" for an elastic
+    request tightened to its floor 512 (what tells apart tiers that share an engine and a policy)."""
+    return f"elastic:{floor}" if floor is not None else str(budget)
 
 
 @dataclass
@@ -41,7 +50,8 @@ class EngineCounters:
     round_ms_sum: float = 0.0
     round_ms_count: int = 0
     round_ms_buckets: list[int] = field(default_factory=lambda: [0] * (len(ROUND_MS_BUCKETS) + 1))
-    by_policy: dict[str, dict[str, int]] = field(default_factory=dict)   # policy -> {events, tokens_evicted}
+    # policy -> {events, tokens_evicted, by_budget: {budget_label -> {events, tokens_evicted}}}
+    by_policy: dict[str, dict] = field(default_factory=dict)
 
 
 class EvictionStats:
@@ -65,17 +75,22 @@ class EvictionStats:
         self._lock = threading.Lock()
         self._round_ms_samples: deque[float] = deque(maxlen=10000)  # drained by metric exporters
 
-    def record_round(self, req_id: str, policy: str, tokens_evicted: int) -> None:
-        """One request-round applied."""
+    def record_round(self, req_id: str, policy: str, tokens_evicted: int, budget: str = "other") -> None:
+        """One request-round applied; `budget`: its `budget_label`."""
         rc = self.request(req_id)
         rc.events += 1
         rc.tokens_evicted += tokens_evicted
         e = self.engine
         e.events += 1
         e.tokens_evicted += tokens_evicted
-        p = e.by_policy.setdefault(policy, {"events": 0, "tokens_evicted": 0})
+        p = e.by_policy.setdefault(policy, {"events": 0, "tokens_evicted": 0, "by_budget": {}})
         p["events"] += 1
         p["tokens_evicted"] += tokens_evicted
+        if budget not in p["by_budget"] and len(p["by_budget"]) >= MAX_BUDGET_LABELS:
+            budget = "other"
+        b = p["by_budget"].setdefault(budget, {"events": 0, "tokens_evicted": 0})
+        b["events"] += 1
+        b["tokens_evicted"] += tokens_evicted
 
     def drain_round_ms(self) -> list[float]:
         """Round times observed since the last drain (for histogram exporters)."""

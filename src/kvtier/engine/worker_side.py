@@ -34,7 +34,7 @@ from .layout import PagedLayout, probe_layout
 from .paged_compaction import Round, RowLayout, apply_rounds, to_device
 from .payload import PAYLOAD_ATTR, CompactionOp, StepPayload
 from .query_capture import QueryCapture, WorkerRequest
-from .stats import AuditLog, EvictionStats
+from .stats import AuditLog, EvictionStats, budget_label
 from .victim_selection import DeferredDrawCheck, keyed_draw, select_keyed, select_one
 
 logger = logging.getLogger("kvtier.engine")
@@ -304,7 +304,8 @@ class WorkerEviction:
                 acc.scatter_(2, dst, acc.gather(2, src))
                 st.attention[:, :, op.new_len :] = 0                         # freed slots start at 0
             compat.truncate_request_blocks(self.runner, op.req_id, op.keep_blocks)
-            self.stats.record_round(op.req_id, op.spec.policy, op.old_len - op.new_len)
+            self.stats.record_round(op.req_id, op.spec.policy_name, op.old_len - op.new_len,
+                                    budget_label(op.spec.budget, op.spec.floor))
             if op.spec.elastic and op.round == 1:      # the tightening round of an elastic request
                 self.stats.engine.tokens_evicted_under_pressure += op.old_len - op.new_len
             if self.audit is not None:

@@ -107,12 +107,14 @@ METRICS: tuple[Metric, ...] = (
     _vllm("e2e_request_latency_seconds", "histogram", "Request latency inside the engine, arrival to finish.",
           "seconds"),
     # -- kvtier engine deployment --------------------------------------------------------------------
-    Metric("ray_kvtier_eviction_events_total", "counter", ("deployment", "policy"),
-           "Eviction rounds applied (one per request per round; every layer and KV head of the request).",
-           ENGINE, "events"),
-    Metric("ray_kvtier_tokens_evicted_total", "counter", ("deployment", "policy"),
-           "KV entries evicted per KV head (every head of a request evicts the same count per round).",
-           ENGINE, "tokens"),
+    # budget: the request's K ("512"), "elastic:<floor>" for a tightened elastic request, "other" past 16
+    # distinct budgets per policy (engine/stats.budget_label): tiers that share an engine and a policy differ here
+    Metric("ray_kvtier_eviction_events_total", "counter", ("deployment", "policy", "budget"),
+           "Eviction rounds applied (one per request per round; every layer and KV head of the request), by "
+           "the request's budget (K, or elastic:<floor>).", ENGINE, "events"),
+    Metric("ray_kvtier_tokens_evicted_total", "counter", ("deployment", "policy", "budget"),
+           "KV entries evicted per KV head (every head of a request evicts the same count per round), by the "
+           "request's budget (K, or elastic:<floor>).", ENGINE, "tokens"),
     Metric("ray_kvtier_kv_blocks_freed_total", "counter", ("deployment",),
            "KV blocks returned to the pool by compaction (tail blocks emptied by hole filling).", ENGINE, "blocks"),
     Metric("ray_kvtier_preemptions_compressed_total", "counter", ("deployment",),

@@ -101,12 +101,16 @@ def operations() -> dm.Dashboard:
 
     d = d.with_row(db.Row("Eviction").id(pid()))
     d = d.with_panel(timeseries_panel(
-        pid(), "Eviction events/s", "Eviction rounds applied per second, by deployment and policy.",
-        [(rate("ray_kvtier_eviction_events_total", dep, "deployment, policy"), "{{deployment}} {{policy}}")],
+        pid(), "Eviction events/s", "Eviction rounds applied per second, by deployment, policy and budget (the "
+        "engine's own split: K, or elastic:<floor>).",
+        [(rate("ray_kvtier_eviction_events_total", dep, "deployment, policy, budget"),
+          "{{deployment}} {{policy}} {{budget}}")],
         "ops", w=6))
     d = d.with_panel(timeseries_panel(
-        pid(), "Tokens evicted/s", "KV entries evicted per KV head per second, by deployment and policy.",
-        [(rate("ray_kvtier_tokens_evicted_total", dep, "deployment, policy"), "{{deployment}} {{policy}}")],
+        pid(), "Tokens evicted/s", "KV entries evicted per KV head per second, by deployment, policy and budget "
+        "(the engine's own split: K, or elastic:<floor>).",
+        [(rate("ray_kvtier_tokens_evicted_total", dep, "deployment, policy, budget"),
+          "{{deployment}} {{policy}} {{budget}}")],
         "short", w=6))
     d = d.with_panel(timeseries_panel(
         pid(), "Tokens evicted/s by tier", "KV entries evicted per KV head per second, by tier (the router, from "

@@ -60,11 +60,13 @@ class EngineMetricsExporter:
         if snapshot is not None:
             eng = snapshot["engine"]
             for policy, c in eng.get("by_policy", {}).items():
-                ptags = {**tags, "policy": policy}
-                if d := self._delta(f"events/{policy}", c["events"]):
-                    self.events.inc(d, tags=ptags)
-                if d := self._delta(f"tokens/{policy}", c["tokens_evicted"]):
-                    self.tokens.inc(d, tags=ptags)
+                # per budget label (engine/stats.budget_label); a snapshot without the split counts as "other"
+                for budget, b in (c.get("by_budget") or {"other": c}).items():
+                    btags = {**tags, "policy": policy, "budget": budget}
+                    if d := self._delta(f"events/{policy}/{budget}", b["events"]):
+                        self.events.inc(d, tags=btags)
+                    if d := self._delta(f"tokens/{policy}/{budget}", b["tokens_evicted"]):
+                        self.tokens.inc(d, tags=btags)
             if d := self._delta("blocks_freed", eng["blocks_freed"]):
                 self.blocks_freed.inc(d, tags=tags)
             if d := self._delta("preempted", eng["preemptions_compressed"]):
