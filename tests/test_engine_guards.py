@@ -32,6 +32,11 @@ def plugin():
 
 @pytest.fixture
 def no_v2_env(monkeypatch):
+    import vllm.envs
+
+    # an engine built earlier in this process (another test file's) turned on vLLM's env cache, which
+    # would hide the env this test sets
+    vllm.envs.disable_envs_cache()
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     monkeypatch.setattr(patch_worker, "_V1_FORCED_LOGGED", False)
 
