@@ -11,6 +11,7 @@ then scores it segment by segment (`by_segment`, `replay_segments`).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Mapping
 
 REPLAYABLE_POLICIES = ("random",)       # policies whose records are re-derived (and tested equal to the engine's)
@@ -28,15 +29,20 @@ def segment_record(fields: Mapping[str, Any]):
     """The sample's segments (`kvtier.deathtime.segments.Segment`, in order), or None: no record, or one that
     does not parse or is out of order."""
     text = fields.get("kvtier_segments")
-    if not text:
-        return None
+    return _parsed_segments(str(text)) if text else None
+
+
+@lru_cache(maxsize=8192)
+def _parsed_segments(text: str):
+    """The record parsed once (the status, the row list and every micro-batch's forward all ask): a tuple of
+    frozen Segments, so a cached answer cannot be changed by a caller."""
     from kvtier.deathtime.segments import segments_from_json
 
     try:
-        segments = segments_from_json(str(text))
+        segments = segments_from_json(text)
     except (ValueError, TypeError, KeyError):
         return None
-    return segments or None
+    return tuple(segments) or None
 
 
 def replay_status(fields: Mapping[str, Any]) -> str:
