@@ -74,7 +74,7 @@ def _calls(engine, prompts, max_tokens, seeds, **kvtier):
     from engine_helpers import greedy, records_for
 
     from kvtier.engine.config import EvictionSpec, resolve_request_spec
-    from kvtier.rollout.request_stats import STAT_FIELDS, policy_params, segments_record
+    from kvtier.rollout.request_stats import sample_fields
 
     lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(seeds)
     params = [greedy(m, budget=BUDGET, seed=s, **kvtier) for m, s in zip(lengths, seeds)]
@@ -84,11 +84,7 @@ def _calls(engine, prompts, max_tokens, seeds, **kvtier):
     for out, p in zip(outs, params):
         spec = resolve_request_spec(EvictionSpec(policy="random", buffer=BUFFER), p.extra_args)
         counters, generated = stats[out.request_id], list(out.outputs[0].token_ids)
-        extra = {"kvtier_budget": spec.budget, "kvtier_seed": spec.seed, "kvtier_buffer": spec.buffer,
-                 "kvtier_policy": spec.policy_name, "kvtier_policy_params": policy_params(spec),
-                 "kvtier_request_id": counters["internal_request_id"],
-                 "kvtier_segments": segments_record(spec, len(out.prompt_token_ids), len(generated), counters),
-                 **{k: counters[f] for k, f in STAT_FIELDS.items()}}
+        extra = sample_fields(spec, None, len(out.prompt_token_ids), len(generated), counters, out.request_id)
         done.append(SimpleNamespace(prompt=list(out.prompt_token_ids), generated=generated, extra=extra,
                                     records=records_for(engine.audit, out.request_id)))
     return done

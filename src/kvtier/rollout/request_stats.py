@@ -97,6 +97,28 @@ def segments_record(spec, prompt_len: int, generated: int, counters: dict | None
                                           policy=spec.policy_name, policy_params=policy_params(spec)))
 
 
+def sample_fields(spec, protect_prefix: int | None, prompt_len: int, generated: int, counters: dict | None,
+                  request_id: str) -> dict:
+    """The `kvtier_*` extra_fields of one generate call: the request's budget and what the learner needs to
+    re-derive its evictions (seed, buffer, policy and its parameters, segments), and the engine's counters
+    (STAT_FIELDS; None for full attention, 0 where the engine's counters could not be read)."""
+    budget = spec.budget if spec is not None else None
+    compressed = budget is not None
+    extra = {
+        "kvtier_request_id": (counters or {}).get("internal_request_id", request_id),
+        "kvtier_budget": budget,
+        "kvtier_protect_prefix": protect_prefix if compressed else None,
+        "kvtier_seed": spec.seed if compressed else None,
+        "kvtier_buffer": spec.buffer if compressed else None,
+        "kvtier_policy": spec.policy_name if compressed else None,
+        "kvtier_policy_params": policy_params(spec) if compressed else None,
+        "kvtier_segments": segments_record(spec, prompt_len, generated, counters),
+    }
+    for key, field in STAT_FIELDS.items():
+        extra[key] = (counters or {}).get(field, 0) if compressed else None
+    return extra
+
+
 def eviction_seed(request_id: str, deterministic_seed: int | None) -> int:
     """The `kvtier_seed` a compressed request gets when it has none: what the learner re-derives a `random`
     sample's evictions from (`kvtier.deathtime.simulate_deaths`), so nothing but this integer travels. Fresh

@@ -38,8 +38,8 @@ from typing import Any, Optional
 
 from .admission import AdmissionMixin
 from .prompt_protection import FirstPrompts, protect_prefix
-from .request_stats import STAT_FIELDS, StatsFetcher, policy_params, seeded_spec, segments_record
-from .settings import KVTierRolloutSettings, engine_args_from_rollout, split_request_params
+from .request_stats import StatsFetcher, sample_fields, seeded_spec
+from .settings import KVTierRolloutSettings, engine_args_from_rollout, vllm_sampling_params
 from .weight_sync import WeightSyncMixin
 
 importlib.import_module("kvtier.rollout.verl_plugin")   # registers the backend in every process that unpickles this class
@@ -192,33 +192,10 @@ class KVTierServer(WeightSyncMixin, AdmissionMixin):
         return self.config
 
     # -- generation -------------------------------------------------------------------------------
-    def _max_tokens(self, prompt_len: int, sampling_params: dict[str, Any]) -> int:
-        max_model_len = self.config.max_model_len or self.engine.model_config.max_model_len
-        room = max_model_len - prompt_len
-        if room < 1:
-            raise ValueError(f"Prompt length ({prompt_len}) leaves no room to generate within the model's maximum "
-                             f"context length ({max_model_len})")
-        if "max_tokens" in sampling_params:
-            max_tokens = sampling_params.pop("max_tokens")
-        elif "max_new_tokens" in sampling_params:
-            max_tokens = sampling_params.pop("max_new_tokens")
-        else:
-            max_tokens = min(self.config.response_length,
-                             self.config.prompt_length + self.config.response_length - prompt_len)
-        return max(1, min(int(max_tokens), room))
-
     def build_sampling_params(self, prompt_len: int, sampling_params: dict[str, Any]):
-        """verl's sampling-params dict -> vLLM SamplingParams (same defaults as verl's vLLM server)."""
-        from vllm import SamplingParams
-
-        sp, extra = split_request_params(sampling_params)
-        max_tokens = self._max_tokens(prompt_len, sp)
-        sp["logprobs"] = 0 if sp.pop("logprobs", False) else None
-        sp.setdefault("repetition_penalty", self.config.repetition_penalty)
-        sp.setdefault("ignore_eos", self.config.ignore_eos)
-        if self.config.full_determinism:
-            sp.setdefault("seed", self.replica_rank + self.config.seed)
-        return SamplingParams(max_tokens=max_tokens, extra_args=extra or None, **sp)
+        """verl's sampling-params dict -> vLLM SamplingParams (`settings.vllm_sampling_params`)."""
+        return vllm_sampling_params(self.config, self.replica_rank, self.engine.model_config.max_model_len,
+                                    prompt_len, sampling_params)
 
     async def generate(
         self,
@@ -292,18 +269,7 @@ class KVTierServer(WeightSyncMixin, AdmissionMixin):
 
         counters = await self._stats.get(request_id) if self._stats is not None else None
         extra["num_cached_tokens"] = getattr(final, "num_cached_tokens", None)
-        extra["kvtier_request_id"] = (counters or {}).get("internal_request_id", request_id)
-        budget = spec.budget if spec is not None else None
-        extra["kvtier_budget"] = budget
-        extra["kvtier_protect_prefix"] = protect_prefix if budget is not None else None
-        # what the learner needs to re-derive a keyed-random sample's evictions (kvtier.deathtime.simulate_deaths)
-        extra["kvtier_seed"] = spec.seed if budget is not None else None
-        extra["kvtier_buffer"] = spec.buffer if budget is not None else None
-        extra["kvtier_policy"] = spec.policy_name if budget is not None else None
-        extra["kvtier_policy_params"] = policy_params(spec) if budget is not None else None
-        extra["kvtier_segments"] = segments_record(spec, len(prompt_ids), len(token_ids), counters)
-        for key, field in STAT_FIELDS.items():
-            extra[key] = (counters or {}).get(field, 0) if budget is not None else None
+        extra.update(sample_fields(spec, protect_prefix, len(prompt_ids), len(token_ids), counters, request_id))
         num_preempted = extra["kvtier_preemptions"]
         self._record_sample(len(token_ids), extra["kvtier_eviction_events"])
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop_reason,

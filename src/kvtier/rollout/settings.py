@@ -243,3 +243,36 @@ def split_request_params(sampling_params: dict[str, Any]) -> tuple[dict[str, Any
     if "kvtier_budget" in extra and extra["kvtier_budget"] is None:
         extra["kvtier_budget"] = "full"   # explicit None = full attention (None values are dropped downstream)
     return sp, extra
+
+
+def _max_tokens(config, engine_max_model_len: int, prompt_len: int, sp: dict[str, Any]) -> int:
+    """The request's max_tokens (popped from `sp`: max_tokens, else max_new_tokens, else what the rollout's
+    prompt and response lengths leave), never past the model's context."""
+    max_model_len = config.max_model_len or engine_max_model_len
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ValueError(f"Prompt length ({prompt_len}) leaves no room to generate within the model's maximum "
+                         f"context length ({max_model_len})")
+    if "max_tokens" in sp:
+        max_tokens = sp.pop("max_tokens")
+    elif "max_new_tokens" in sp:
+        max_tokens = sp.pop("max_new_tokens")
+    else:
+        max_tokens = min(config.response_length, config.prompt_length + config.response_length - prompt_len)
+    return max(1, min(int(max_tokens), room))
+
+
+def vllm_sampling_params(config, replica_rank: int, engine_max_model_len: int, prompt_len: int,
+                         sampling_params: dict[str, Any]):
+    """verl's sampling-params dict -> vLLM SamplingParams, with verl's vLLM server's defaults (`config`: the
+    rollout config); kvtier_* keys go to extra_args (`split_request_params`)."""
+    from vllm import SamplingParams
+
+    sp, extra = split_request_params(sampling_params)
+    max_tokens = _max_tokens(config, engine_max_model_len, prompt_len, sp)
+    sp["logprobs"] = 0 if sp.pop("logprobs", False) else None
+    sp.setdefault("repetition_penalty", config.repetition_penalty)
+    sp.setdefault("ignore_eos", config.ignore_eos)
+    if config.full_determinism:
+        sp.setdefault("seed", replica_rank + config.seed)
+    return SamplingParams(max_tokens=max_tokens, extra_args=extra or None, **sp)
