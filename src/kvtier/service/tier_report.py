@@ -17,12 +17,12 @@ def _newest(model_id: str, results: Path, pattern: str, key: str) -> tuple[Path,
     name, so the choice never rests on the file system's listing order) that has `key` and was measured on
     `model_id` on the vLLM release `make setup` installs (versions.DEFAULT: a port's comparison run, such as
     0.32's, is reported in docs/engine.md, not as the tier's figure; a result without the field predates it)."""
-    from kvtier.engine.versions import DEFAULT
+    from kvtier.engine.versions import DEFAULT, minor_of
 
     for path in sorted(results.glob(pattern), key=lambda p: (p.name.rsplit("-cpu-", 1)[-1], p.name), reverse=True):
         data = json.loads(path.read_text())
-        vllm = data.get("machine", {}).get("vllm", DEFAULT)
-        if key in data and data.get("settings", {}).get("model_id") == model_id and vllm == DEFAULT:
+        vllm = (data.get("machine") or {}).get("vllm") or DEFAULT       # a local build: 0.31.0+cpu
+        if key in data and data.get("settings", {}).get("model_id") == model_id and minor_of(vllm) == minor_of(DEFAULT):
             return path, data
     return None
 
