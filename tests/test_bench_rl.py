@@ -372,8 +372,14 @@ def test_tables_read_the_report():
     assert "12.0 (2.50× [2.50, 2.50])" in arm_table(report)
     assert "30.0 |" in rows["full"] and "×" not in rows["full"]
     from kvtier.benchmarks.rl_table import exact_share
-    share = [{"steps": [{"rollout_replayable": {"replayed": 9, "full": 4, "rebuilt": 3}}]}]
-    assert exact_share(share) == 13 / 16 and exact_share([{"steps": [{}]}]) is None
+    # a replay learner: its own shares (3 rebuilt samples went dense); a dense learner scores only the
+    # full-attention samples as sampled, whatever the records of the compressed ones allowed
+    counts = {"replayed": 9, "full": 4, "rebuilt": 3}
+    replay = [{"steps": [{"rollout_replayable": counts,
+                          "learner_replay_share": {"replayed": 9 / 16, "full": 4 / 16, "rebuilt": 3 / 16}}]}]
+    dense = [{"steps": [{"rollout_replayable": counts, "learner_replay_share": {}}]}]
+    assert exact_share(replay) == 13 / 16 and exact_share(dense) == 4 / 16
+    assert exact_share([{"steps": [{}]}]) is None
     assert len(seed_table(report).splitlines()) == 2 + 4      # header + one row per run (1 + 1 + 2 seeds)
 
 

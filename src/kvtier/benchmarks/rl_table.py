@@ -107,11 +107,19 @@ def _window(runs: list[dict], first: bool, width: int = 3) -> float | None:
 
 
 def exact_share(runs: list[dict]) -> float | None:
-    """The share of an arm's samples the learner scored as they were sampled (`replayed`, by segment included, or
-    `full`), from the rollouts' counts (`rollout/kvtier/replayable/*`); None where no step recorded them."""
-    counts = [s.get("rollout_replayable") or {} for r in runs for s in r["steps"]]
-    total = sum(sum(c.values()) for c in counts)
-    return sum(c.get("replayed", 0) + c.get("full", 0) for c in counts) / total if total else None
+    """The share of an arm's samples the learner scored as they were sampled, per step from the rollout's counts
+    (`rollout/kvtier/replayable/*`): with a replay learner (the step has `learner_replay_share`) the learner's
+    own replayed (by segment included) and full shares; with a dense learner only the full-attention samples (a
+    compressed sample it scores at full attention is not what was sampled, whatever its record allowed). None
+    where no step recorded the counts."""
+    exact = total = 0.0
+    for s in (s for r in runs for s in r["steps"]):
+        counts = s.get("rollout_replayable") or {}
+        n = sum(counts.values())
+        shares = s.get("learner_replay_share") or {}
+        exact += n * (shares.get("replayed", 0) + shares.get("full", 0)) if shares else counts.get("full", 0)
+        total += n
+    return exact / total if total else None
 
 
 def arm_table(report: dict) -> str:
