@@ -191,7 +191,6 @@ def test_learner_exporter_sends_the_steps_tail_and_scored_samples():
     assert c[by_name("ray_kvtier_rl_samples_replayable_total").ray_name] == [("inc", 16.0, {"path": "replayed"})]
 
 
-
 def test_engine_counts_evictions_per_budget_and_the_exporter_labels_them():
     """Tiers that share an engine and a policy (k512, k1024, elastic on one engine) are told apart by the
     engine's own counters: one `budget` label per K (elastic requests as elastic:<floor>), bounded per policy."""
