@@ -103,6 +103,21 @@ def test_bytes_and_yaml_errors(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_a_model_path_starting_with_a_dot_is_relative_to_the_config_file(tmp_path, monkeypatch):
+    # a model directory carries its own service.yaml (`kvtier bench rl-export`): "." must survive a clone or move
+    d = tmp_path / "exports" / "m"
+    d.mkdir(parents=True)
+    engines = {"here": ".", "sibling": "../other", "hub": "Qwen/Qwen3-8B", "shipped": "reasoner-long", "abs": "/models/x"}
+    (d / "service.yaml").write_text("server: {auth: open}\nengines:\n" + "".join(
+        f"  {n}: {{model: {m}, max_model_len: 256}}\n" for n, m in engines.items())
+        + "tiers:\n" + "".join(f"- {{name: t-{n}, engine: {n}, budget: full}}\n" for n in engines))
+    monkeypatch.chdir(tmp_path)                       # not the file's directory
+    cfg = load_config(Path("exports/m/service.yaml"))
+    got = {n: e.model for n, e in cfg.engines.items()}
+    assert got == {"here": str(d.resolve()), "sibling": str((tmp_path / "exports" / "other").resolve()),
+                   "hub": "Qwen/Qwen3-8B", "shipped": "reasoner-long", "abs": "/models/x"}
+
+
 def test_tier_extra_args_fit_openai_vllm_xargs():
     cfg = make_cfg()
     assert cfg.tier("full").extra_args() == {"kvtier_budget": "full"}

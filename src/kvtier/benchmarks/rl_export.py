@@ -69,7 +69,7 @@ def export_run(workdir: Path, arm: str, out: Path, seed: int | None = None) -> d
     name = f"kvtier-rl-{arm}-seed{seed}"
     cfg = yaml.safe_load(SERVE_CONFIG.read_text())
     (engine,) = cfg["engines"].values()          # the demo config has one engine
-    engine.update(model=str(Path(out).resolve()), model_id=name)
+    engine.update(model=".", model_id=name)       # the directory service.yaml sits in: the export can move
     (Path(out) / "service.yaml").write_text(f"# {SERVE_CONFIG.name} with {name}'s weights (kvtier bench rl-export)\n"
                                             + yaml.safe_dump(cfg, sort_keys=False))
     meta = {"from": "kvtier bench rl", "workdir": str(workdir), "arm": arm, "seed": seed,

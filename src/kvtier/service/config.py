@@ -47,7 +47,8 @@ class PressureConfig(_Model):
 class EngineConfig(_Model):
     """One engine deployment: a model, its vLLM arguments, kvtier defaults and Serve options."""
 
-    model: str = TINY_MODEL                         # local path, HF id, "tiny" or "reasoner"
+    model: str = TINY_MODEL                         # local path, HF id, "tiny" or a shipped reasoner; in a
+    # config file, "." or "./..." / "../..." is relative to the file (a model directory carrying its service.yaml)
     model_id: str | None = None                     # public name in /v1/models (default: the engine name)
     accelerator: Literal["cpu", "gpu"] = "cpu"
     accelerator_type: str | None = None             # e.g. "H100" (GPU only)
@@ -289,6 +290,20 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> ServiceConfi
         raise ConfigError(f"{source}: {_fmt(exc)}") from None
 
 
+def with_config_relative_models(data: dict[str, Any], config_file: Path) -> dict[str, Any]:
+    """`data` with each engine's `model` written as "." or "./..." / "../..." resolved against the directory of
+    `config_file`; other values (absolute paths, HF ids such as Qwen/Qwen3-8B, shipped names) are kept."""
+    engines = data.get("engines")
+    if not isinstance(engines, dict):
+        return data
+    out = {**data, "engines": dict(engines)}
+    for name, eng in engines.items():
+        model = eng.get("model") if isinstance(eng, dict) else None
+        if isinstance(model, str) and (model == "." or model.startswith(("./", "../"))):
+            out["engines"][name] = {**eng, "model": str((Path(config_file).resolve().parent / model).resolve())}
+    return out
+
+
 def load_config(path: str | Path | None = None) -> ServiceConfig:
     path = Path(path) if path is not None else DEFAULT_CONFIG
     try:
@@ -299,4 +314,4 @@ def load_config(path: str | Path | None = None) -> ServiceConfig:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    return parse_config(data, str(path))
+    return parse_config(with_config_relative_models(data, path), str(path))
