@@ -111,6 +111,12 @@ def test_ratios_are_full_over_compressed_rollout_seconds():
                                                                     "replay_rollout_speedup_vs_full": 2.5}
     assert r["dense_rollout_speedup_vs_full_ci"] == [2.0, 2.0]      # every step alike: no spread
     assert r["replay_rollout_speedup_vs_full_per_seed"] == {0: 2.5}   # the seeds both arms ran
+    # a series in progress: replay's seed 1 (no full run yet) is 4x slower; point and interval both pair seed 0
+    report = _report()
+    for step in report["arms"]["replay"]["seeds"][1]["steps"]:
+        step["rollout_seconds"] = 48.0
+    r = ratios(report)
+    assert r["replay_rollout_speedup_vs_full"] == 2.5 and r["replay_rollout_speedup_vs_full_ci"] == [2.5, 2.5]
 
 
 def test_the_speedup_interval_spans_the_seeds_spread():

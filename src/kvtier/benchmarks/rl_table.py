@@ -25,13 +25,20 @@ def _finite_mean(xs) -> float | None:
 
 def ratios(report: dict) -> dict:
     """Rollout seconds per step of each compressed arm against the full-attention arm (speed-up, x), and its 95%
-    bootstrap interval where both arms have steps (`speedup_ci`)."""
+    bootstrap interval where both arms have steps (`speedup_ci`). The point estimate is over the seeds both arms
+    ran, as the interval is (a series in progress has seeds one arm has not run yet); over all seeds where
+    they share none."""
     arms = report["arms"]
-    full = _finite_mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
+    full_runs = _rollout_seconds(arms.get("full", {}))
     out = {}
     for name, arm in arms.items():
-        mine = _finite_mean(s["rollout_seconds"] for r in arm_runs(arm) for s in r["steps"])
-        if name != "full" and full and mine:
+        if name == "full" or not full_runs:
+            continue
+        runs = _rollout_seconds(arm)
+        common = set(full_runs) & set(runs) or None
+        full = _mean(x for s, xs in full_runs.items() if common is None or s in common for x in xs)
+        mine = _mean(x for s, xs in runs.items() if common is None or s in common for x in xs)
+        if full and mine:
             out[f"{name}_rollout_speedup_vs_full"] = round(full / mine, 3)
             out[f"{name}_rollout_speedup_vs_full_ci"] = speedup_ci(arms["full"], arm)
             out[f"{name}_rollout_speedup_vs_full_per_seed"] = seed_speedups(arms["full"], arm)
@@ -125,7 +132,7 @@ def exact_share(runs: list[dict]) -> float | None:
 def arm_table(report: dict) -> str:
     """One row per arm, pooled over its seeds."""
     arms = report["arms"]
-    full_rollout = _finite_mean(s["rollout_seconds"] for r in arm_runs(arms.get("full", {})) for s in r.get("steps", []))
+    speedups = ratios(report)                     # the point estimate and interval pair the same seeds
     head = ("| arm | seeds | reward, first 3 → last 3 steps | held-out evicted: end [CI] | change vs start [CI] | "
             "held-out full: end [CI] | change vs start [CI] | rollout s / step (× full) | learner vs rollout KL "
             "(max) | samples rejected | scored exactly (replayed or full) |")
@@ -134,9 +141,8 @@ def arm_table(report: dict) -> str:
         runs = arm_runs(arm)
         end = arm["heldout"]["end"]
         rollout = _finite_mean(s["rollout_seconds"] for r in runs for s in r["steps"])
-        ci = report.get("ratios", {}).get(f"{name}_rollout_speedup_vs_full_ci")
-        speed = (f" ({full_rollout / rollout:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "") + ")"
-                 if full_rollout and rollout and name != "full" else "")
+        x, ci = (speedups.get(f"{name}_rollout_speedup_vs_full{k}") for k in ("", "_ci"))
+        speed = (f" ({x:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "") + ")") if x else ""
         kl = max((s["kl"] for r in runs for s in r["steps"] if s.get("kl") is not None), default=None)
         rejected = _mean(s.get("rejected_share") for r in runs for s in r["steps"])
         exact = exact_share(runs)
