@@ -35,9 +35,9 @@ def ratios(report: dict) -> dict:
         if name == "full" or not full_runs:
             continue
         runs = _rollout_seconds(arm)
-        common = set(full_runs) & set(runs) or None
-        full = _mean(x for s, xs in full_runs.items() if common is None or s in common for x in xs)
-        mine = _mean(x for s, xs in runs.items() if common is None or s in common for x in xs)
+        seeds = (set(full_runs) & set(runs)) or set(full_runs) | set(runs)
+        full = _mean(x for s in seeds for x in full_runs.get(s, []))
+        mine = _mean(x for s in seeds for x in runs.get(s, []))
         if full and mine:
             out[f"{name}_rollout_speedup_vs_full"] = round(full / mine, 3)
             out[f"{name}_rollout_speedup_vs_full_ci"] = speedup_ci(arms["full"], arm)
@@ -46,9 +46,10 @@ def ratios(report: dict) -> dict:
 
 
 def _rollout_seconds(arm: dict) -> dict[int, list[float]]:
-    """{seed: its finite rollout seconds per step}."""
-    return {r.get("seed", i): [s["rollout_seconds"] for s in r.get("steps", []) if s.get("rollout_seconds") is not None
+    """{seed: its finite rollout seconds per step}, for the seeds that have any (the seeds a pairing can use)."""
+    runs = {r.get("seed", i): [s["rollout_seconds"] for s in r.get("steps", []) if s.get("rollout_seconds") is not None
                                and math.isfinite(s["rollout_seconds"])] for i, r in enumerate(arm_runs(arm))}
+    return {s: xs for s, xs in runs.items() if xs}
 
 
 def speedup_ci(full: dict, arm: dict, draws: int = 2000, seed: int = 0) -> list[float]:
@@ -60,7 +61,6 @@ def speedup_ci(full: dict, arm: dict, draws: int = 2000, seed: int = 0) -> list[
 
     rng = random.Random(seed)
     a, b = _rollout_seconds(full), _rollout_seconds(arm)
-    a, b = {s: x for s, x in a.items() if x}, {s: x for s, x in b.items() if x}
     common = sorted(set(a) & set(b))
 
     def mean_of(runs: dict[int, list[float]], seeds: list[int]) -> float:
@@ -81,8 +81,7 @@ def speedup_ci(full: dict, arm: dict, draws: int = 2000, seed: int = 0) -> list[
 def seed_speedups(full: dict, arm: dict) -> dict[int, float]:
     """Full's mean rollout seconds per step over `arm`'s, per seed both arms ran."""
     a, b = _rollout_seconds(full), _rollout_seconds(arm)
-    return {s: round((sum(a[s]) / len(a[s])) / (sum(b[s]) / len(b[s])), 3) for s in sorted(set(a) & set(b))
-            if a[s] and b[s]}
+    return {s: round((sum(a[s]) / len(a[s])) / (sum(b[s]) / len(b[s])), 3) for s in sorted(set(a) & set(b))}
 
 
 def _f(x, digits: int = 2) -> str:
